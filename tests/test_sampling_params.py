@@ -1,0 +1,133 @@
+"""SamplingParams validation: every bad value is a ValueError naming the field and its range."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature must be >= 0"),
+        ("temperature", -math.inf, "temperature must be >= 0"),
+        ("temperature", math.nan, "temperature must be >= 0"),
+        ("top_p", 0.0, "top_p must be in (0, 1]"),
+        ("top_p", -0.5, "top_p must be in (0, 1]"),
+        ("top_p", 1.0001, "top_p must be in (0, 1]"),
+        ("top_p", math.nan, "top_p must be in (0, 1]"),
+        ("top_k", -1, "top_k must be an integer >= 0"),
+        ("top_k", 2.5, "top_k must be an integer >= 0"),
+        ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+        ("max_tokens", -3, "max_tokens must be an integer >= 1"),
+        ("max_tokens", 8.0, "max_tokens must be an integer >= 1"),
+        ("max_tokens", "8", "max_tokens must be an integer >= 1"),
+        ("logprobs", -1, f"logprobs must be an integer in [0, {MAX_LOGPROBS}]"),
+        ("logprobs", MAX_LOGPROBS + 1, f"logprobs must be an integer in [0, {MAX_LOGPROBS}]"),
+        ("logprobs", 1.5, f"logprobs must be an integer in [0, {MAX_LOGPROBS}]"),
+        ("seed", -1, "seed must be an integer in [0, 2**63)"),
+        ("seed", 2**63, "seed must be an integer in [0, 2**63)"),
+        ("seed", 1.5, "seed must be an integer in [0, 2**63)"),
+    ],
+)
+def test_bad_value_names_field_and_range(field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        SamplingParams(**{field: value})
+    # The offending value is echoed back too.
+    assert repr(value) in str(err.value)
+
+
+@pytest.mark.parametrize("stop", ["", ["ok", ""], ("",), [5]])
+def test_empty_or_non_string_stop_is_rejected(stop):
+    with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
+        SamplingParams(stop=stop)
+
+
+def test_non_integer_stop_token_id_is_rejected():
+    with pytest.raises(ValueError, match="stop_token_ids must be integers"):
+        SamplingParams(stop_token_ids=[1.5])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"temperature": 0.0},
+        {"temperature": 2.5},
+        {"top_p": 1.0},
+        {"top_p": 1e-6},
+        {"top_k": 0},
+        {"top_k": 50},
+        {"max_tokens": 1},
+        {"logprobs": 0},
+        {"logprobs": MAX_LOGPROBS},
+        {"seed": 0},
+        {"seed": 2**63 - 1},
+        {"stop": ["a", "bc"], "stop_token_ids": [0, 5]},
+        {"ignore_eos": True, "skip_special_tokens": False},
+    ],
+)
+def test_valid_values_pass(kwargs):
+    params = SamplingParams(**kwargs)
+    for field, value in kwargs.items():
+        expected = tuple(value) if isinstance(value, list) else value
+        assert getattr(params, field) == expected
+
+
+def test_defaults():
+    params = SamplingParams()
+    assert params.max_tokens == 16
+    assert params.temperature == 1.0
+    assert params.top_p == 1.0
+    assert params.top_k == 0
+    assert params.seed is None
+    assert params.logprobs is None
+    assert params.stop == ()
+    assert params.stop_token_ids == ()
+    assert not params.greedy
+
+
+def test_string_stop_becomes_a_one_tuple():
+    assert SamplingParams(stop="###").stop == ("###",)
+
+
+def test_lists_are_frozen_into_tuples():
+    params = SamplingParams(stop=["x", "yz"], stop_token_ids=[3, 4])
+    assert params.stop == ("x", "yz")
+    assert params.stop_token_ids == (3, 4)
+    # Frozen, so hashable and safe to share between requests.
+    assert hash(params) == hash(SamplingParams(stop=("x", "yz"), stop_token_ids=(3, 4)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "greedy"),
+    [
+        ({"temperature": 0.0}, True),
+        ({"top_k": 1}, True),
+        ({"temperature": 3.0, "top_k": 1}, True),
+        ({"temperature": 0.0, "top_p": 0.5}, True),
+        ({"temperature": 1e-3}, False),
+        ({"top_k": 2}, False),
+        ({"top_p": 0.1}, False),
+    ],
+)
+def test_greedy_property(kwargs, greedy):
+    assert SamplingParams(**kwargs).greedy is greedy
+
+
+@pytest.mark.parametrize("bad", [[100], [-1], [3, 100, 7], [1000]])
+def test_check_against_rejects_stop_token_ids_outside_the_vocab(bad):
+    params = SamplingParams(stop_token_ids=bad)
+    with pytest.raises(ValueError, match=re.escape("stop_token_ids must be in [0, 100)")) as err:
+        params.check_against(100)
+    outside = [t for t in bad if not 0 <= t < 100]
+    assert str(outside) in str(err.value)
+
+
+def test_check_against_accepts_ids_inside_the_vocab():
+    SamplingParams(stop_token_ids=[0, 99]).check_against(100)
+    SamplingParams().check_against(1)

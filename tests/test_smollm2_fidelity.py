@@ -1,0 +1,117 @@
+"""The engine on the real SmolLM2-135M-Instruct against transformers' own model.
+
+transformers loads the same GGUF file itself (its own dequantization and its own
+un-permutation of Q/K), so agreement here checks the converter, the model and
+the engine together.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
+from workers.engine.model_runner import ModelRunner, SeqChunk, StepInput
+from workers.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+PLAIN = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Les mathématiques sont la science qui étudie",
+    "日本の首都は東京です。東京は",
+    "Emoji check 🙂🚀: the rocket",
+    "SELECT name, COUNT(*) FROM users WHERE",
+    "1, 2, 3, 5, 8, 13, 21,",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the boiling point of water?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Write a Python one-liner that reverses a string."},
+    ],
+]
+LONG = (
+    "The history of computing is a story of people and machines. "
+    "Charles Babbage designed the Analytical Engine in the 1830s, and Ada Lovelace "
+    "wrote what many call the first program for it. A century later, Alan Turing "
+    "described a universal machine, and during the Second World War, engineers built "
+    "electronic computers to break codes and compute artillery tables. "
+) * 6 + "In summary, the most important idea in this history is"
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir):
+    return LLMEngine(EngineConfig(model=str(smollm2_dir), num_threads=2))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    tok = engine.tokenizer
+    ids = [tok.encode(p) for p in PLAIN] + [tok.encode_chat(m) for m in CHATS]
+    ids.append(tok.encode(LONG))
+    assert len(ids[-1]) > 300
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+def _greedy(engine, prompts, max_tokens=NEW_TOKENS):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [s.output_token_ids for s in engine.generate(prompts, params)]
+
+
+def test_greedy_tokens_match_transformers(engine, prompts, reference):
+    ours = _greedy(engine, prompts)
+    for prompt, got in zip(prompts, ours, strict=True):
+        with torch.inference_mode():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+        assert got == out[0, len(prompt) :].tolist()
+
+
+def test_last_position_logits_match_transformers(smollm2_dir, prompts, reference):
+    longest = max(len(p) for p in prompts)
+    runner = ModelRunner(
+        smollm2_dir, num_blocks=-(-longest // 16), block_size=16, max_model_len=1024
+    )
+    for prompt in prompts:
+        table = list(range(-(-len(prompt) // 16)))
+        ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)]))[0]
+        with torch.inference_mode():
+            expected = reference(torch.tensor([prompt])).logits[0, -1]
+        assert (ours - expected).abs().max().item() < 1e-3
+
+
+def test_batch_and_chunked_prefill_match_single_requests(smollm2_dir, engine, prompts):
+    sixteen = (prompts * 2)[:16]
+    sixteen = [p[: 8 + 7 * i] if i >= len(prompts) else p for i, p in enumerate(sixteen)]
+    alone = [_greedy(engine, [p], 32)[0] for p in sixteen]
+    assert _greedy(engine, sixteen, 32) == alone
+    chunked = LLMEngine(
+        EngineConfig(model=str(smollm2_dir), num_threads=2, max_num_batched_tokens=48)
+    )
+    assert _greedy(chunked, sixteen, 32) == alone
+
+
+def test_preemption_keeps_outputs_and_frees_every_block(smollm2_dir, engine, prompts):
+    six = prompts[:6]
+    alone = [_greedy(engine, [p], 32)[0] for p in six]
+    # 10 blocks of 16 tokens cannot hold six ~45-token sequences at once.
+    small = LLMEngine(EngineConfig(model=str(smollm2_dir), num_threads=2, num_kv_blocks=10))
+    assert _greedy(small, six, 32) == alone
+    stats = small.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_total_blocks

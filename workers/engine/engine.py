@@ -1,0 +1,247 @@
+"""The engine: requests in, a step at a time, token and text deltas out.
+
+A serving layer drives it with `add_request`, `step` (until `has_unfinished`
+is False), `abort` and `stats`. Everything a request can get wrong is checked
+in `add_request`, so a bad request is refused before it is scheduled and can
+never break a step that other requests share.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.model_runner import ModelRunner, SeqChunk, StepInput, kv_cache_bytes_per_block
+from workers.engine.sampler import sample
+from workers.engine.sampling_params import SamplingParams, TokenLogprob
+from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from workers.engine.sequence import FinishReason, Sequence
+from workers.model.config import ModelConfig
+from workers.model.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_steps: int
+    num_generated_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        model_dir = Path(config.model)
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.tokenizer = tokenizer or Tokenizer(model_dir)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        dtype = config.resolved_dtype()
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
+            self.model_config, config.block_size, dtype
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv
+        )
+        self.runner = ModelRunner(
+            model_dir,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            dtype,
+            config.resolved_device(),
+        )
+        self.eos_token_ids = self._eos_token_ids(model_dir)
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._requests: dict[str, Sequence] = {}
+        self._num_steps = 0
+        self._num_generated = 0
+
+    # -- requests ------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queues a request; raises ValueError (naming the field) if it can never run."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        params.check_against(vocab)
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the context length {self.max_model_len}; shorten the prompt or "
+                "lower max_tokens"
+            )
+        if self.kv.blocks_for_tokens(total) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache "
+                f"({self.kv.num_blocks * self.kv.block_size} tokens); lower max_tokens"
+            )
+        seq = Sequence(
+            request_id,
+            prompt,
+            params,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer.hf, prompt, params.stop, params.skip_special_tokens
+            ),
+            generator=(
+                torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+            ),
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a request and frees its blocks; False if it was unknown or already done."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = FinishReason.ABORT
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping ------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule().scheduled
+        if not scheduled:
+            return []
+        # Decodes (one new token) first: the runner batches their attention.
+        scheduled.sort(key=lambda s: s.num_new_tokens > 1)
+        sampling = [s.seq for s in scheduled if s.samples]
+        logits = self.runner.execute(StepInput([self._chunk(s) for s in scheduled]))
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        self._num_steps += 1
+        if not sampling:
+            return []
+        result = sample(
+            logits,
+            [seq.params for seq in sampling],
+            [seq.generator for seq in sampling],
+            self._generator,
+        )
+        now = time.monotonic()
+        return [
+            self._append_token(seq, token, logprob, now)
+            for seq, token, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True)
+        ]
+
+    @staticmethod
+    def _chunk(s: ScheduledSequence) -> SeqChunk:
+        start = s.seq.num_computed_tokens
+        return SeqChunk(
+            s.seq.token_ids(start, start + s.num_new_tokens), start, s.seq.block_table, s.samples
+        )
+
+    def _append_token(
+        self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float
+    ) -> RequestOutput:
+        seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self._num_generated += 1
+        params = seq.params
+        reason = None
+        stops_on_token = token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        )
+        if stops_on_token or seq.detokenizer is not None and seq.detokenizer.add_token(token):
+            reason = FinishReason.STOP
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            self._requests.pop(seq.request_id, None)
+        text = seq.detokenizer.release(finished=reason is not None) if seq.detokenizer else ""
+        return RequestOutput(
+            seq.request_id,
+            [token],
+            text,
+            [logprob] if logprob is not None else [],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+        )
+
+    # -- convenience ---------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Sequence]:
+        """Runs prompts to completion; returns their finished sequences in prompt order."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{self._num_steps}-{i}" for i in range(len(prompts))]
+        seqs = []
+        for rid, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+            self.add_request(rid, prompt, p)
+            seqs.append(self._requests[rid])
+        while self.has_unfinished():
+            self.step()
+        return seqs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps,
+            num_generated_tokens=self._num_generated,
+        )
+
+    def _eos_token_ids(self, model_dir: Path) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_config = model_dir / "generation_config.json"
+        if gen_config.is_file():
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        tok_eos = self.tokenizer.token_id(self.tokenizer.eos_token)
+        if tok_eos is not None:
+            ids.add(tok_eos)
+        return frozenset(ids)

@@ -1,0 +1,133 @@
+"""Owns the model and its paged KV cache; turns one scheduled step into logits.
+
+The step arrives as plain data (`StepInput`) so the same runner can sit in the
+engine's process or in each rank of a tensor-parallel worker group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.model.attention import AttentionMetadata, PrefillChunk
+from workers.model.config import ModelConfig
+from workers.model.loader import load_model
+from workers.model.parallel import TPGroup
+
+
+@dataclass
+class SeqChunk:
+    """New tokens of one sequence for this step."""
+
+    token_ids: list[int]
+    start_pos: int  # position of token_ids[0]; everything before is cached
+    block_table: list[int]
+    sample: bool  # the chunk ends the sequence's known tokens, so it yields logits
+
+
+@dataclass
+class StepInput:
+    # Single-token chunks (decodes) first, then multi-token prefill chunks.
+    chunks: list[SeqChunk] = field(default_factory=list)
+
+
+def kv_cache_bytes_per_block(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
+) -> int:
+    per_token = 2 * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * dtype.itemsize
+    return per_token * block_size * cfg.num_hidden_layers
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        tp: TPGroup | None = None,
+    ):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.model = load_model(model_dir, tp, max_model_len, dtype, self.device)
+        num_slots = num_blocks * block_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for attn in self.model.attention_layers():
+            shape = (attn.num_kv_heads, num_slots, attn.head_dim)
+            # Zeros, not empty: masked-out padding slots are still multiplied by
+            # a zero weight, and 0 * NaN from uninitialised memory would poison it.
+            k = torch.zeros(shape, dtype=dtype, device=self.device)
+            v = torch.zeros(shape, dtype=dtype, device=self.device)
+            attn.bind_cache(k, v)
+            self.kv_caches.append((k, v))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Runs the step; returns logits [number of sampling chunks, vocab] in chunk order."""
+        decodes = [i for i, c in enumerate(step.chunks) if len(c.token_ids) == 1]
+        prefills = [i for i, c in enumerate(step.chunks) if len(c.token_ids) > 1]
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[torch.Tensor] = []
+        last_row: dict[int, int] = {}  # chunk index -> row of its last token
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+
+        if decodes:
+            chunks = [step.chunks[i] for i in decodes]
+            for row, (i, c) in enumerate(zip(decodes, chunks, strict=True)):
+                token_ids.append(c.token_ids[0])
+                positions.append(c.start_pos)
+                last_row[i] = row
+            slots, bias = self._decode_context(chunks)
+            slot_mapping.append(slots[torch.arange(len(chunks)), torch.tensor(positions)])
+            meta.num_decode = len(chunks)
+            meta.decode_slots = slots.to(self.device)
+            meta.decode_bias = bias.to(self.device, self.dtype)
+
+        for i in prefills:
+            c = step.chunks[i]
+            start, n = len(token_ids), len(c.token_ids)
+            token_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + n))
+            slots = self._slots(c.block_table, c.start_pos + n)
+            slot_mapping.append(slots[c.start_pos :])
+            if c.start_pos == 0:
+                meta.prefills.append(PrefillChunk(start, n))
+            else:
+                meta.prefills.append(PrefillChunk.with_context(start, n, slots.to(self.device)))
+            last_row[i] = start + n - 1
+
+        meta.slot_mapping = torch.cat(slot_mapping).to(self.device)
+        hidden = self.model(
+            torch.tensor(token_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            meta,
+        )
+        rows = [last_row[i] for i, c in enumerate(step.chunks) if c.sample]
+        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])
+
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """Cache slots of positions [0, num_tokens)."""
+        pos = torch.arange(num_tokens)
+        blocks = torch.tensor(block_table, dtype=torch.long)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _decode_context(self, decodes: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [B, max_len] of each decoding sequence's context and the additive mask."""
+        lengths = torch.tensor([c.start_pos + 1 for c in decodes])
+        max_len = int(lengths.max())
+        max_blocks = -(-max_len // self.block_size)
+        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for row, c in enumerate(decodes):
+            used = c.block_table[:max_blocks]
+            tables[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+        pos = torch.arange(max_len)
+        slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
+        bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+        return slots.masked_fill_(~valid, 0), bias

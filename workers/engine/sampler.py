@@ -1,0 +1,104 @@
+"""Pure sampling functions over a batch of logits with per-row parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.sampling_params import SamplingParams, TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    return logits / temperature.unsqueeze(1)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's `top_k` largest logits (0 keeps all); ties at the cut stay."""
+    active = top_k > 0
+    if not bool(active.any()):
+        return logits
+    max_k = min(int(top_k.max()), logits.shape[1])
+    kth = logits.topk(max_k, dim=1).values.gather(1, (top_k.clamp(1, max_k) - 1).unsqueeze(1))
+    kth = kth.masked_fill(~active.unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps the smallest set of tokens whose probability mass reaches `top_p`."""
+    sorted_logits, order = logits.sort(dim=1, descending=True)
+    probs = sorted_logits.softmax(dim=1)
+    mass_before = probs.cumsum(dim=1) - probs
+    # The most likely token always survives, whatever top_p is.
+    drop_sorted = mass_before >= top_p.unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_from_probs(
+    probs: torch.Tensor, generators: list[torch.Generator | None], default: torch.Generator
+) -> torch.Tensor:
+    """Exponential-race sampling: argmax(p / E), E ~ Exp(1), equals drawing from p.
+
+    Each row draws its noise from its own generator when seeded, so a seeded
+    request gets the same tokens whatever else shares its batch.
+    """
+    noise = torch.empty_like(probs)
+    for row, gen in enumerate(generators):
+        noise[row].exponential_(generator=gen or default)
+    return (probs / noise).argmax(dim=1)
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, counts: list[int | None]
+) -> list[TokenLogprob | None]:
+    wanted = [c for c in counts if c is not None]
+    if not wanted:
+        return [None] * len(counts)
+    top_n = max(wanted)
+    top_vals, top_ids = logprobs.topk(top_n, dim=1) if top_n else (None, None)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    out: list[TokenLogprob | None] = []
+    for row, n in enumerate(counts):
+        if n is None:
+            out.append(None)
+            continue
+        top = ()
+        if n:
+            top = tuple(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True))
+        out.append(TokenLogprob(int(token_ids[row]), chosen[row], top))
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> SamplerOutput:
+    """logits: [B, V] float32, one row per request that samples this step."""
+    logits = logits.float()
+    token_ids = logits.argmax(dim=1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows)
+        picked = [params[i] for i in random_rows]
+        sub = apply_temperature(logits[rows], torch.tensor([p.temperature for p in picked]))
+        if any(p.top_k > 0 for p in picked):
+            sub = apply_top_k(sub, torch.tensor([p.top_k for p in picked]))
+        if any(p.top_p < 1.0 for p in picked):
+            sub = apply_top_p(sub, torch.tensor([p.top_p for p in picked]))
+        token_ids[rows] = sample_from_probs(
+            sub.softmax(dim=1), [generators[i] for i in random_rows], default_generator
+        )
+    counts = [p.logprobs for p in params]
+    logprobs: list[TokenLogprob | None] = [None] * len(params)
+    if any(c is not None for c in counts):
+        logprobs = top_logprobs(logits.log_softmax(dim=1), token_ids, counts)
+    return SamplerOutput(token_ids.tolist(), logprobs)

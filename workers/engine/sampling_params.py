@@ -1,0 +1,71 @@
+"""Per-request sampling parameters, validated before anything is scheduled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+# Below this, logits / temperature overflows float32; such requests mean greedy.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # top-n alternatives returned with each sampled token
+    skip_special_tokens: bool = True
+
+    # Lists are accepted for convenience and frozen into tuples.
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    def _validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+        if any(not isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}")
+
+    def check_against(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids must exist in its vocabulary."""
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the top alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = field(default=())

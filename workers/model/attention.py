@@ -1,0 +1,108 @@
+"""Attention over a paged KV cache.
+
+The cache of one layer is two tensors `[kv_heads, num_slots, head_dim]`; slot
+`block_id * block_size + offset` holds one token. Keeping the head dimension
+first makes a gathered context `[kv_heads, batch, length, head_dim]` contiguous,
+which is what lets one SDPA call serve a whole decode batch with grouped heads.
+
+A step's tokens come flattened: first one token per decoding sequence, then the
+chunks of sequences being prefilled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    """A run of `length` new tokens of one sequence, at `start` in the flat batch."""
+
+    start: int
+    length: int
+    # Slots of the whole context (cached prefix + this chunk) and the causal mask
+    # [length, context] over them; both None when the chunk starts the sequence
+    # and attends only to itself.
+    context_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    @classmethod
+    def with_context(cls, start: int, length: int, context_slots: torch.Tensor) -> PrefillChunk:
+        ctx = context_slots.numel()
+        # Query i sits at context position ctx - length + i and sees keys up to
+        # it; SDPA's is_causal would align the diagonal to the top-left instead.
+        dev = context_slots.device
+        mask = torch.arange(ctx, device=dev) <= torch.arange(ctx - length, ctx, device=dev)[:, None]
+        return cls(start, length, context_slots, mask)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot written by each new token
+    num_decode: int = 0
+    decode_slots: torch.Tensor | None = None  # [num_decode, max_context] (padding points at slot 0)
+    decode_bias: torch.Tensor | None = None  # [num_decode, max_context] 0 or -inf
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]."""
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("PagedAttention has no KV cache bound; call bind_cache first")
+        k_heads, v_heads = k.transpose(0, 1), v.transpose(0, 1)
+        self.k_cache.index_copy_(1, meta.slot_mapping, k_heads)
+        self.v_cache.index_copy_(1, meta.slot_mapping, v_heads)
+
+        out = torch.empty_like(q)
+        if meta.num_decode:
+            out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            out[rows] = self._prefill(q[rows], k_heads[:, rows], v_heads[:, rows], chunk)
+        return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.decode_slots is not None and meta.decode_bias is not None
+        batch, length = meta.decode_slots.shape
+        flat = meta.decode_slots.view(-1)
+        k = self.k_cache.index_select(1, flat).view(self.num_kv_heads, batch, length, -1)
+        v = self.v_cache.index_select(1, flat).view(self.num_kv_heads, batch, length, -1)
+        # SDPA's (batch, heads, query) axes carry (kv head, sequence, query head of
+        # the group), so each group of query heads meets its own KV head.
+        q = q.view(batch, self.num_kv_heads, self.group, -1).transpose(0, 1)
+        bias = meta.decode_bias.view(1, batch, 1, length)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return out.transpose(0, 1).reshape(batch, self.num_heads, -1)
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if chunk.context_slots is None:
+            out = F.scaled_dot_product_attention(
+                q, k.unsqueeze(0), v.unsqueeze(0), is_causal=True, enable_gqa=True
+            )
+        else:
+            k = self.k_cache.index_select(1, chunk.context_slots).unsqueeze(0)
+            v = self.v_cache.index_select(1, chunk.context_slots).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,417 @@
+"""Convert a Llama-architecture GGUF file into a Hugging Face-style model folder.
+
+The engine only reads safetensors + config.json + tokenizer.json, so a GGUF (the form small
+models are easiest to get offline) is dequantized to fp32 once and written in that layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+__all__ = ["convert_gguf", "unpermute_qk"]
+
+# tokenizer.ggml.pre values, grouped by the pre-tokenizer regexes llama.cpp's llama-vocab.cpp
+# selects for them. "digits+gpt2": llama.cpp first isolates every \p{N} character (tokenizers'
+# Digits(individual_digits=True); Rust's is_numeric is the same \p{N} class), then applies the
+# GPT-2 regex (ByteLevel(use_regex=True)). This is also what SmolLM2's own tokenizer.json does.
+_PRE_KINDS = {
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"),
+        "digits+gpt2",
+    ),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais"), "gpt2"),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), "llama3"),
+}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# llama.cpp token types (enum llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# GGUF per-layer tensor suffix -> Hugging Face LlamaForCausalLM name within model.layers.N.
+_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Write `out_dir` as an HF Llama folder (fp32 safetensors, tokenizer.json, configs).
+
+    The folder appears all at once (built beside it, then renamed) so a crash never leaves a
+    half-written model that a later run would mistake for a finished one. Raises ValueError for a
+    file this converter cannot represent faithfully, FileExistsError if `out_dir` exists.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"refusing to overwrite existing {out_dir}")
+    reader = GGUFReader(gguf_path)
+    meta = _Metadata(reader, gguf_path)
+    config = _build_config(meta, {t.name for t in reader.tensors})
+    _check_tensors(reader, config)
+    tokenizer = _build_tokenizer(meta)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        _write_safetensors(tmp / "model.safetensors", _hf_tensors(reader, config))
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(meta, config))
+        _write_json(tmp / "generation_config.json", _generation_config(config))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the model folder is meant to be shared
+        _fsync_dir(tmp)
+        os.rename(tmp, out_dir)  # atomic; fails rather than merging if out_dir appeared meanwhile
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(out_dir.parent)
+    return out_dir
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp's converter turns HF's rotate-half RoPE layout (first half of each head's rows
+    paired with the second half) into interleaved pairs, via
+    `w.reshape(n_head, 2, d // 2, in).swapaxes(1, 2)`; swapping the other two axes reverses it.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"{rows} rows do not split into {n_head} heads of even size")
+    head = weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
+    return head.swapaxes(1, 2).reshape(weight.shape)
+
+
+class _Metadata:
+    def __init__(self, reader: GGUFReader, path: Path):
+        self._fields = reader.fields
+        self._path = path
+        self.arch = self.get("general.architecture")
+        if self.arch != "llama":
+            raise ValueError(
+                f"{path}: architecture {self.arch!r} is not supported; only 'llama' GGUF files "
+                "can be converted"
+            )
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            if default is ...:
+                raise ValueError(f"{self._path}: required GGUF metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+    def arch_get(self, key: str, default: Any = ...) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+
+def _build_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
+    if meta.arch_get("expert_count", 0):
+        raise ValueError("mixture-of-experts llama GGUF files are not supported")
+    if "rope_freqs.weight" in tensor_names:
+        # Llama 3.1-style frequency scaling lives in this tensor, and its parameters cannot be
+        # recovered into HF's rope_scaling; converting without it would silently change outputs.
+        raise ValueError("GGUF has a rope_freqs tensor (Llama 3.1 RoPE scaling); not supported")
+    hidden = int(meta.arch_get("embedding_length"))
+    n_head = int(meta.arch_get("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.arch_get("feed_forward_length")),
+        "num_hidden_layers": int(meta.arch_get("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(meta.arch_get("attention.head_count_kv", n_head)),
+        "head_dim": int(meta.arch_get("attention.key_length", hidden // n_head)),
+        "hidden_act": "silu",
+        "rms_norm_eps": float(meta.arch_get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.arch_get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.arch_get("context_length")),
+        "vocab_size": int(meta.arch_get("vocab_size", len(tokens))),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "float32",
+    }
+    scaling = _rope_scaling(meta)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    for name in ("bos", "eos", "padding"):
+        token_id = meta.get(f"tokenizer.ggml.{name}_token_id", None)
+        if token_id is not None:
+            config[f"{name.replace('padding', 'pad')}_token_id"] = int(token_id)
+    return config
+
+
+def _rope_scaling(meta: _Metadata) -> dict[str, Any] | None:
+    kind = meta.arch_get("rope.scaling.type", None)
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    scaling: dict[str, Any] = {
+        "rope_type": kind,
+        "factor": float(meta.arch_get("rope.scaling.factor")),
+    }
+    original = meta.arch_get("rope.scaling.original_context_length", None)
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
+    """Fail before writing anything if a tensor is missing, unknown, or shaped unexpectedly."""
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    ffn, vocab = config["intermediate_size"], config["vocab_size"]
+    q_rows, kv_rows = (
+        config["num_attention_heads"] * head_dim,
+        config["num_key_value_heads"] * head_dim,
+    )
+    per_layer = {
+        "self_attn.q_proj.weight": (q_rows, hidden),
+        "self_attn.k_proj.weight": (kv_rows, hidden),
+        "self_attn.v_proj.weight": (kv_rows, hidden),
+        "self_attn.o_proj.weight": (hidden, q_rows),
+        "mlp.gate_proj.weight": (ffn, hidden),
+        "mlp.up_proj.weight": (ffn, hidden),
+        "mlp.down_proj.weight": (hidden, ffn),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    expected = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        expected["lm_head.weight"] = (vocab, hidden)
+    for layer in range(config["num_hidden_layers"]):
+        expected.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
+    found = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        found[name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise ValueError(f"GGUF is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    for name, shape in found.items():
+        if name not in expected:
+            raise ValueError(
+                f"unexpected tensor {name} for a {config['num_hidden_layers']}-layer model"
+            )
+        if shape != expected[name]:
+            raise ValueError(f"tensor {name} has shape {shape}, config implies {expected[name]}")
+
+
+def _hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterable[tuple[str, np.ndarray]]:
+    """Yield (hf_name, fp32 array) one at a time so peak memory stays at one tensor."""
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        # GGUF lists dimensions fastest-first; numpy (and torch) want them slowest-first.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        array = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
+        array = np.asarray(array, dtype=np.float32).reshape(shape)
+        if name.endswith("q_proj.weight"):
+            array = unpermute_qk(array, n_head)
+        elif name.endswith("k_proj.weight"):
+            array = unpermute_qk(array, n_kv)
+        yield name, array
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[1].isdigit():
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    # An unmapped tensor (biases, extra norms) means this is not plain Llama; dropping it
+    # would produce a model that loads fine and generates garbage.
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no LlamaForCausalLM counterpart")
+
+
+def _write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+    """Stream tensors into one safetensors file.
+
+    safetensors' own writers need every tensor in memory at once (the fp32 model is ~4x the
+    GGUF); the format is just a JSON header of offsets followed by raw little-endian bytes, so
+    the data is written first and the header, whose size is then known, is put in front.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    body = path.with_suffix(".body")
+    offset = 0
+    with open(body, "wb") as out:
+        for name, array in tensors:
+            if name in header:
+                raise ValueError(f"duplicate tensor {name!r} in GGUF")
+            data = np.ascontiguousarray(array, dtype="<f4")
+            header[name] = {
+                "dtype": "F32",
+                "shape": list(data.shape),
+                "data_offsets": [offset, offset + data.nbytes],
+            }
+            out.write(memoryview(data).cast("B"))
+            offset += data.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # keep tensor data 8-byte aligned for mmap readers
+    with open(path, "wb") as out, open(body, "rb") as src:
+        out.write(len(encoded).to_bytes(8, "little"))
+        out.write(encoded)
+        shutil.copyfileobj(src, out, 16 << 20)
+        out.flush()
+        os.fsync(out.fileno())
+    body.unlink()
+
+
+def _build_tokenizer(meta: _Metadata) -> Tokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')")
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens")
+    merges = []
+    for merge in meta.get("tokenizer.ggml.merges"):
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise ValueError(f"malformed BPE merge {merge!r}")
+        merges.append((pair[0], pair[1]))
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("GGUF vocabulary has duplicate tokens")
+    # Required: llama.cpp's fallback for a missing value is its own regex set, not GPT-2's.
+    pre = meta.get("tokenizer.ggml.pre")
+    # llama.cpp's llama3 family looks a whole word up in the vocabulary before merging.
+    ignore_merges = _PRE_KINDS.get(pre) == "llama3"
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.normalizer = None
+    add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre, add_prefix_space)
+    tokenizer.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type", None) or []
+    # normalized=False: these must match the raw text, e.g. "<|im_start|>" typed into a prompt.
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(types)
+            if t == _CONTROL
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types)
+            if t == _USER_DEFINED
+        ]
+    )
+    tokenizer.post_processor = _post_processor(meta, tokens)
+    return tokenizer
+
+
+def _pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
+    kind = _PRE_KINDS.get(pre)
+    if kind is None:
+        # A guessed split would tokenize most text right and some wrong: worse than failing.
+        raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}; supported: {sorted(_PRE_KINDS)}")
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=add_prefix_space, use_regex=kind != "llama3"
+    )
+    if kind == "digits+gpt2":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if kind == "llama3":
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    return byte_level
+
+
+def _adds_bos_eos(meta: _Metadata) -> tuple[bool, bool]:
+    # llama.cpp turns BOS on for the llama3 family unless the file says otherwise.
+    llama3 = _PRE_KINDS.get(meta.get("tokenizer.ggml.pre", None)) == "llama3"
+    return (
+        bool(meta.get("tokenizer.ggml.add_bos_token", llama3)),
+        bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    )
+
+
+def _post_processor(meta: _Metadata, tokens: list[str]) -> processors.PostProcessor:
+    """Add BOS/EOS on encode exactly when llama.cpp would."""
+    wrap: dict[str, tuple[str, int]] = {}
+    for name, wanted in zip(("bos", "eos"), _adds_bos_eos(meta), strict=True):
+        if wanted:
+            token_id = int(meta.get(f"tokenizer.ggml.{name}_token_id"))
+            wrap[name] = (tokens[token_id], token_id)
+    if not wrap:
+        return processors.ByteLevel(trim_offsets=False)
+
+    def sequence(piece: str) -> list[str]:
+        bos, eos = wrap.get("bos"), wrap.get("eos")
+        return [*([bos[0]] if bos else []), piece, *([eos[0]] if eos else [])]
+
+    return processors.TemplateProcessing(
+        single=sequence("$A"),
+        pair=sequence("$A") + sequence("$B:1"),
+        special_tokens=list(wrap.values()),
+    )
+
+
+def _tokenizer_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta.get("tokenizer.ggml.tokens")
+    out: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": _adds_bos_eos(meta)[0],
+        "add_eos_token": _adds_bos_eos(meta)[1],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id", None)
+        if token_id is not None:
+            out[f"{name}_token"] = tokens[int(token_id)]
+    template = meta.get("tokenizer.chat_template", None)
+    if template is not None:
+        out["chat_template"] = template
+    return out
+
+
+def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {key: config[key] for key in keys if key in config}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(data, out, indent=2, ensure_ascii=False)
+        out.write("\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the rename itself durable, not just the file contents.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,156 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2) as one readable model.
+
+Tensor parallelism lives inside the layers (see `parallel.py`): with a
+single-rank `TPGroup` this is a plain dense model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.attention import AttentionMetadata, PagedAttention
+from workers.model.config import ModelConfig
+from workers.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+from workers.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rope: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        d = cfg.head_dim
+        _, self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        _, self.num_kv_heads = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.head_dim = d
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            {
+                "q": cfg.num_attention_heads * d,
+                "k": cfg.num_key_value_heads * d,
+                "v": cfg.num_key_value_heads * d,
+            },
+            tp,
+            bias=cfg.qkv_bias,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, tp, bias=cfg.o_proj_bias, dtype=dtype
+        )
+        self.rope = rope
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
+            tp,
+            dtype=dtype,
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rope: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, tp, rope, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, rope, dtype) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(token_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections packed into one parallel layer: name -> (layer, shard).
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup | None = None,
+        max_positions: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        tp = tp or TPGroup.single()
+        self.config = cfg
+        self.model = LlamaModel(cfg, tp, max_positions or cfg.max_position_embeddings, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for the flattened step batch."""
+        return self.model(token_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)

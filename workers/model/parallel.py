@@ -1,0 +1,180 @@
+"""Megatron-style tensor-parallel layers.
+
+Each layer owns only its rank's shard and loads that shard straight from a
+safetensors slice, so no rank ever holds the full weight. With `TPGroup.single()`
+every collective is a no-op and the layers are plain dense layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class TensorSlice(Protocol):
+    """What `safe_open(...).get_slice(name)` returns: lazily read, sliceable."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in a tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+
+    @classmethod
+    def single(cls) -> TPGroup:
+        return cls()
+
+    def split(self, total: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's even share of `total` items."""
+        if total % self.size:
+            raise ValueError(f"{what}={total} is not divisible by the TP degree {self.size}")
+        per_rank = total // self.size
+        return self.rank * per_rank, per_rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def _load_into(param: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(src.shape) != tuple(param.shape):
+        raise RuntimeError(
+            f"weight shard shape {tuple(src.shape)} != parameter {tuple(param.shape)}"
+        )
+    param.data.copy_(src.to(param.dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; the input is replicated.
+
+    `shard_sizes` lists the global output widths of the checkpoint tensors packed
+    into this layer (q/k/v or gate/up), so each rank takes its slice of each part.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        tp: TPGroup,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.local_sizes = {}
+        self.offsets = {}
+        offset = 0
+        for shard_id, size in shard_sizes.items():
+            _, local = tp.split(size, f"output features of {shard_id}")
+            self.local_sizes[shard_id] = local
+            self.offsets[shard_id] = offset
+            offset += local
+        self.weight = nn.Parameter(
+            torch.empty(offset, in_features, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(offset, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def load_weight(self, param_name: str, src: TensorSlice, shard_id: str) -> None:
+        local = self.local_sizes[shard_id]
+        start = self.tp.rank * local
+        dst = getattr(self, param_name).data
+        _load_into(
+            dst[self.offsets[shard_id] : self.offsets[shard_id] + local], src[start : start + local]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial outputs are summed by all-reduce."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.in_start, local_in = tp.split(in_features, "input features")
+        self.weight = nn.Parameter(
+            torch.empty(out_features, local_in, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def load_weight(self, param_name: str, src: TensorSlice, shard_id: str | None = None) -> None:
+        if param_name == "bias":
+            _load_into(self.bias, src[:])
+            return
+        local = self.weight.shape[1]
+        _load_into(self.weight, src[:, self.in_start : self.in_start + local])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        # The bias is added once, after the sum, not once per rank.
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split across ranks (padded so every rank has the same count)."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.per_rank
+        self.weight = nn.Parameter(
+            torch.zeros(self.per_rank, dim, dtype=dtype), requires_grad=False
+        )
+
+    def load_weight(self, param_name: str, src: TensorSlice, shard_id: str | None = None) -> None:
+        end = min(self.vocab_start + self.per_rank, self.vocab_size)
+        if end > self.vocab_start:
+            _load_into(self.weight[: end - self.vocab_start], src[self.vocab_start : end])
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-parallel output projection; full-vocab logits are gathered on every rank."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]

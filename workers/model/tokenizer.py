@@ -1,0 +1,83 @@
+"""The model's tokenizer and chat template, read from a Hugging Face model folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _special_token_text(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens either as a string or as an
+    # AddedToken dict with a "content" key.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"model: {model_dir} has no tokenizer.json")
+        self.hf = HFTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token = _special_token_text(config.get("bos_token"))
+        self.eos_token = _special_token_text(config.get("eos_token"))
+        template = config.get("chat_template")
+        template_file = model_dir / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        if isinstance(template, list):  # named templates; the default one serves chat
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._chat_template = None
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._chat_template = env.from_string(template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def token_id(self, text: str | None) -> int | None:
+        return None if text is None else self.hf.token_to_id(text)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        if self._chat_template is None:
+            raise ValueError("messages: this model has no chat template; send a plain prompt")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] must have 'role' and 'content'")
+        return self._chat_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The template writes any BOS itself, so the tokenizer must not add another.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
