@@ -75,7 +75,9 @@ class ModelRunner:
         positions: list[int] = []
         slot_mapping: list[torch.Tensor] = []
         last_row: dict[int, int] = {}  # chunk index -> row of its last token
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long), block_size=self.block_size
+        )
 
         if decodes:
             chunks = [step.chunks[i] for i in decodes]
@@ -83,10 +85,14 @@ class ModelRunner:
                 token_ids.append(c.token_ids[0])
                 positions.append(c.start_pos)
                 last_row[i] = row
-            slots, bias = self._decode_context(chunks)
-            slot_mapping.append(slots[torch.arange(len(chunks)), torch.tensor(positions)])
+            tables, bias = self._decode_context(chunks)
+            pos = torch.tensor(positions)
+            rows = torch.arange(len(chunks))
+            slot_mapping.append(
+                tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
+            )
             meta.num_decode = len(chunks)
-            meta.decode_slots = slots.to(self.device)
+            meta.decode_blocks = tables.to(self.device)
             meta.decode_bias = bias.to(self.device, self.dtype)
 
         for i in prefills:
@@ -118,16 +124,15 @@ class ModelRunner:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _decode_context(self, decodes: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [B, max_len] of each decoding sequence's context and the additive mask."""
+        """Block tables [B, max_blocks] (padded with block 0) and the additive mask
+        [B, max_blocks * block_size] hiding positions past each context."""
         lengths = torch.tensor([c.start_pos + 1 for c in decodes])
-        max_len = int(lengths.max())
-        max_blocks = -(-max_len // self.block_size)
+        max_blocks = -(-int(lengths.max()) // self.block_size)
         tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for row, c in enumerate(decodes):
             used = c.block_table[:max_blocks]
             tables[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        pos = torch.arange(max_len)
-        slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
-        bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
-        return slots.masked_fill_(~valid, 0), bias
+        pos = torch.arange(max_blocks * self.block_size)
+        bias = torch.zeros(len(decodes), pos.numel())
+        bias.masked_fill_(pos.unsqueeze(0) >= lengths.unsqueeze(1), float("-inf"))
+        return tables, bias

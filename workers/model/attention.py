@@ -43,9 +43,12 @@ class PrefillChunk:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot written by each new token
+    block_size: int = 16
     num_decode: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decode, max_context] (padding points at slot 0)
-    decode_bias: torch.Tensor | None = None  # [num_decode, max_context] 0 or -inf
+    # Block tables of the decoding sequences, padded with block 0, and the additive
+    # mask [num_decode, max_blocks * block_size] (0 for context, -inf for padding).
+    decode_blocks: torch.Tensor | None = None
+    decode_bias: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -72,20 +75,28 @@ class PagedAttention(nn.Module):
         self.k_cache.index_copy_(1, meta.slot_mapping, k_heads)
         self.v_cache.index_copy_(1, meta.slot_mapping, v_heads)
 
+        tokens = q.shape[0]
+        if not meta.prefills:  # the common pure-decode step: no scatter into a buffer
+            return self._decode(q, meta).view(tokens, -1)
         out = torch.empty_like(q)
         if meta.num_decode:
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             out[rows] = self._prefill(q[rows], k_heads[:, rows], v_heads[:, rows], chunk)
-        return out.view(q.shape[0], -1)
+        return out.view(tokens, -1)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        assert meta.decode_slots is not None and meta.decode_bias is not None
-        batch, length = meta.decode_slots.shape
-        flat = meta.decode_slots.view(-1)
-        k = self.k_cache.index_select(1, flat).view(self.num_kv_heads, batch, length, -1)
-        v = self.v_cache.index_select(1, flat).view(self.num_kv_heads, batch, length, -1)
+        assert meta.decode_blocks is not None and meta.decode_bias is not None
+        batch, length = meta.decode_bias.shape
+        blocks = meta.decode_blocks.view(-1)
+        # Gathering whole blocks (block_size * head_dim contiguous floats each)
+        # copies the context faster than gathering it slot by slot.
+        shape = (self.num_kv_heads, -1, meta.block_size * self.head_dim)
+        k = self.k_cache.view(shape).index_select(1, blocks)
+        v = self.v_cache.view(shape).index_select(1, blocks)
+        k = k.view(self.num_kv_heads, batch, length, -1)
+        v = v.view(self.num_kv_heads, batch, length, -1)
         # SDPA's (batch, heads, query) axes carry (kv head, sequence, query head of
         # the group), so each group of query heads meets its own KV head.
         q = q.view(batch, self.num_kv_heads, self.group, -1).transpose(0, 1)

@@ -14,12 +14,15 @@ from workers.model.attention import AttentionMetadata, PagedAttention
 from workers.model.config import ModelConfig
 from workers.model.parallel import (
     ColumnParallelLinear,
+    PackableLinear,
     ParallelLMHead,
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
 )
-from workers.model.rope import RotaryEmbedding
+from workers.model.rope import RotaryEmbedding, apply_rope
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, rope: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         d = cfg.head_dim
         _, self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
@@ -54,17 +57,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, tp, bias=cfg.o_proj_bias, dtype=dtype
         )
-        self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        tokens = qkv.shape[0]
+        # Q and K heads are rotated together in one pass.
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
+        q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -85,17 +86,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, rope: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, tp, rope, dtype)
+        self.self_attn = Attention(cfg, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, tp, dtype)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -103,9 +102,11 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, rope, dtype) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -113,8 +114,9 @@ class LlamaModel(nn.Module):
         self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
-            x = layer(x, positions, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
 
@@ -142,6 +144,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_weights(self) -> None:
+        """Re-lays out every projection for fast CPU matmuls (a no-op elsewhere)."""
+        for module in self.modules():
+            if isinstance(module, PackableLinear):
+                module.pack()
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -42,6 +42,7 @@ def load_model(
     with torch.device(device):
         model = LlamaForCausalLM(cfg, tp, max_positions, dtype)
     load_weights(model, model_dir)
+    model.pack_weights()
     return model.eval()
 
 

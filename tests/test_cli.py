@@ -1,0 +1,84 @@
+"""`baton generate` as a user runs it: a real subprocess, stdout holds only the completion."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from tiny_model import make_tiny_model
+
+from serve_app.cli import main
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _baton(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "serve_app.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _expected_text(model_dir, messages=None, prompt=None, max_tokens=12) -> str:
+    engine = LLMEngine(EngineConfig(model=str(model_dir)))
+    ids = engine.tokenizer.encode_chat(messages) if messages else engine.tokenizer.encode(prompt)
+    seq = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+    return seq.detokenizer.text
+
+
+def test_generate_prints_only_the_completion(model_dir):
+    run = _baton("generate", "--model", str(model_dir), "--max-tokens", "12", "Hello there")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == _expected_text(model_dir, prompt="Hello there") + "\n"
+    assert "finish_reason=" in run.stderr
+
+
+def test_chat_renders_the_system_and_user_messages(model_dir):
+    run = _baton(
+        "generate",
+        "--model",
+        str(model_dir),
+        "--chat",
+        "--system",
+        "Be brief.",
+        "--max-tokens",
+        "12",
+        "Hi",
+    )
+    assert run.returncode == 0, run.stderr
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert run.stdout == _expected_text(model_dir, messages=messages) + "\n"
+
+
+def test_seeded_sampling_is_reproducible_from_the_command_line(model_dir, capsys):
+    args = ["generate", "--model", str(model_dir), "--temperature", "1.0", "--seed", "7"]
+    outputs = []
+    for _ in range(2):
+        assert main([*args, "--max-tokens", "16", "Hello"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and len(outputs[0]) > 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+        (["--system", "x"], "--system needs --chat"),
+    ],
+)
+def test_bad_arguments_exit_2_with_the_field_named(model_dir, args, message, capsys):
+    assert main(["generate", "--model", str(model_dir), *args, "Hello"]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == ""
