@@ -167,3 +167,31 @@ def smollm2_gguf(smollm2_dir: Path) -> Path:
     from workers.model.default_model import ensure_default_gguf
 
     return ensure_default_gguf()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A private local Ray for the whole session: no dashboard, a short temp dir of its own
+    (socket paths must fit in 107 bytes), a fixed metrics port, logical CPUs for TP ranks."""
+    import shutil
+    import socket
+    import tempfile
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        _metrics_export_port=metrics_port,
+        log_to_driver=False,
+        object_store_memory=200 * 2**20,
+    )
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,9 +1,10 @@
-"""BlockPool: allocation, reference counts and the least-recently-freed free queue."""
+"""BlockPool: allocation, reference counts, the least-recently-freed free queue and the cache."""
 
 from __future__ import annotations
 
 import pytest
 
+from workers.engine.block_hash import BlockHash, hash_block, root_hash
 from workers.engine.block_pool import BlockPool
 
 
@@ -121,3 +122,143 @@ def test_bad_free_is_refused_and_changes_nothing(blocks):
         pool.free(blocks)
     assert pool.num_free == 0
     assert [pool.ref_count(b) for b in range(3)] == [1, 1, 1]
+
+
+# -- the content-addressed cache ---------------------------------------------
+
+ROOT = root_hash("m", None)
+
+
+def _h(*tokens: int) -> BlockHash:
+    return hash_block(ROOT, tokens)
+
+
+def _cache(pool: BlockPool, block: int, *tokens: int) -> BlockHash:
+    h = _h(*tokens)
+    pool.cache(block, h, ROOT, tokens)
+    return h
+
+
+def test_a_cached_block_survives_its_free_and_can_be_taken_back():
+    pool = BlockPool(4)
+    (b,) = pool.allocate(1)
+    h = _cache(pool, b, 1, 2)
+    pool.free([b])
+    assert pool.num_free == 4
+    assert pool.cached_block(h, ROOT, (1, 2)) == b
+    pool.touch([b])
+    assert pool.ref_count(b) == 1
+    assert pool.num_free == 3
+    # Taken out of the free queue: the next allocations never hand it out.
+    assert b not in pool.allocate(3)
+    assert pool.take_events() == ([h], [])
+
+
+def test_a_hit_is_confirmed_by_parent_and_token_ids():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    h = _cache(pool, b, 1, 2)
+    assert pool.cached_block(h, ROOT, [1, 2]) == b
+    # Same hash, other contents (what a collision would look like): no hit.
+    assert pool.cached_block(h, ROOT, [1, 3]) is None
+    assert pool.cached_block(h, root_hash("m", "salt"), [1, 2]) is None
+    assert pool.cached_block(_h(9), ROOT, [9]) is None
+
+
+def test_allocation_evicts_cached_blocks_least_recently_freed_first():
+    pool = BlockPool(4)
+    blocks = pool.allocate(4)
+    hashes = [_cache(pool, b, b) for b in blocks]
+    pool.take_events()
+    pool.free([blocks[2]])
+    pool.free([blocks[0], blocks[3]])
+    pool.free([blocks[1]])
+    assert pool.allocate(1) == [blocks[2]]
+    assert pool.take_events() == ([], [hashes[2]])
+    assert pool.cached_block(hashes[2], ROOT, [blocks[2]]) is None
+    # Reuse refreshes a block: 0 taken back and freed again now queues behind 3 and 1.
+    pool.touch([blocks[0]])
+    pool.free([blocks[0]])
+    assert pool.allocate(2) == [blocks[3], blocks[1]]
+    assert pool.take_events() == ([], [hashes[3], hashes[1]])
+    assert pool.num_cached == 1
+
+
+def test_blocks_in_use_are_never_evicted():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    held = _cache(pool, blocks[0], 7)
+    pool.free(blocks[1:])
+    assert sorted(pool.allocate(2)) == sorted(blocks[1:])
+    with pytest.raises(RuntimeError, match="only 0 free"):
+        pool.allocate(1)
+    assert pool.cached_block(held, ROOT, [7]) == blocks[0]
+    assert pool.ref_count(blocks[0]) == 1
+
+
+def test_touch_shares_a_held_block_and_frees_count_every_holder():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    _cache(pool, b, 4)
+    pool.touch([b])
+    assert pool.ref_count(b) == 2
+    pool.free([b])
+    assert pool.num_free == 1
+    pool.free([b])
+    assert pool.num_free == 2
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free([b])
+
+
+def test_only_cached_blocks_can_be_shared():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    with pytest.raises(RuntimeError, match="no cached contents"):
+        pool.touch([b])
+
+
+def test_caching_a_block_nobody_holds_is_refused():
+    pool = BlockPool(2)
+    with pytest.raises(RuntimeError, match="nobody holds it"):
+        pool.cache(0, _h(1), ROOT, [1])
+
+
+def test_a_block_cannot_change_its_hash_while_cached():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    h = _cache(pool, b, 1)
+    pool.cache(b, h, ROOT, [1])  # registering the same contents again is a no-op
+    with pytest.raises(RuntimeError, match="cannot become"):
+        pool.cache(b, _h(2), ROOT, [2])
+
+
+def test_duplicate_contents_keep_the_first_block():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    h = _cache(pool, a, 5)
+    pool.cache(b, h, ROOT, [5])
+    assert pool.cached_block(h, ROOT, [5]) == a
+    assert pool.num_cached == 1
+    # The duplicate was never cached, so reusing it evicts nothing.
+    pool.free([b])
+    pool.take_events()
+    pool.allocate(2)
+    assert pool.take_events() == ([], [])
+
+
+def test_store_and_evict_in_one_batch_cancel_out():
+    pool = BlockPool(1)
+    (b,) = pool.allocate(1)
+    h = _cache(pool, b, 1)
+    pool.free([b])
+    assert pool.allocate(1) == [b]
+    assert pool.take_events() == ([], [])
+    # Evicted, then stored again (in another block) within one batch: net unchanged.
+    h2 = _cache(pool, b, 2)
+    pool.take_events()
+    pool.free([b])
+    pool.allocate(1)
+    _cache(pool, b, 2)
+    assert pool.take_events() == ([], [])
+    assert pool.cached_block(h2, ROOT, [2]) == b
+    assert h != h2

@@ -1,9 +1,11 @@
-"""KVCacheManager: block tables grow one block per block_size tokens, all-or-nothing."""
+"""KVCacheManager: block tables grow one block per block_size tokens, all-or-nothing, and
+full computed blocks are found again by content (prefix caching)."""
 
 from __future__ import annotations
 
 import pytest
 
+from workers.engine.block_hash import hash_full_blocks, root_hash
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
@@ -124,3 +126,172 @@ def test_freed_blocks_can_serve_another_sequence():
     kv.free(a)
     assert kv.allocate(b, 8)
     assert len(b.block_table) == 2
+
+
+# -- prefix caching ------------------------------------------------------------
+
+
+def _prefill(kv: KVCacheManager, seq: Sequence) -> None:
+    """What an engine step does: allocate, 'compute' every uncomputed token, commit."""
+    assert kv.allocate(seq, seq.num_uncomputed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.commit_computed_blocks(seq)
+
+
+def _salted(tokens: list[int], request_id: str, salt: str | None = None) -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(), cache_salt=salt)
+
+
+def test_a_later_sequence_attaches_the_cached_full_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = _salted(list(range(10)), "a")
+    assert kv.find_cached_prefix(a) == 0
+    _prefill(kv, a)
+    # b shares a's first 9 tokens: a's two full blocks, not its partial third one.
+    b = _salted(list(range(9)) + [99, 98, 97], "b")
+    assert kv.find_cached_prefix(b) == 8
+    assert b.block_table == a.block_table[:2]
+    assert b.num_computed_tokens == 8
+    assert [kv.pool.ref_count(blk) for blk in b.block_table] == [2, 2]
+    # b computes its own blocks after the shared ones.
+    assert kv.allocate(b, b.num_uncomputed_tokens)
+    assert len(b.block_table) == 3
+    assert b.block_table[2] not in a.block_table
+
+
+def test_the_last_token_is_always_left_to_compute():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = _salted(list(range(8)), "a")
+    _prefill(kv, a)
+    # The same 8 tokens are two full cached blocks, but only the first may be used:
+    # the step must compute something to produce logits.
+    same = _salted(list(range(8)), "same")
+    assert kv.find_cached_prefix(same) == 4
+    assert same.num_uncomputed_tokens == 4
+    longer = _salted(list(range(9)), "longer")
+    assert kv.find_cached_prefix(longer) == 8
+    assert longer.num_uncomputed_tokens == 1
+
+
+def test_only_blocks_whose_kv_is_written_are_cached():
+    events = []
+    kv = KVCacheManager(num_blocks=16, block_size=4, on_events=lambda s, e: events.append((s, e)))
+    a = _salted(list(range(12)), "a")
+    assert kv.allocate(a, 6)
+    a.num_computed_tokens = 6
+    kv.commit_computed_blocks(a)
+    kv.flush_events()
+    # Block 1 is allocated and half written: not findable yet.
+    assert events == [([a.block_hashes[0]], [])]
+    assert kv.find_cached_prefix(_salted(list(range(12)), "b")) == 4
+    assert kv.allocate(a, 6)
+    a.num_computed_tokens = 12
+    kv.commit_computed_blocks(a)
+    kv.flush_events()
+    assert events[1] == (a.block_hashes[1:3], [])
+    assert len(a.block_hashes) == 3
+
+
+def test_sequence_hashes_are_the_shared_hash_function():
+    # The router hashes prompts with hash_full_blocks; the engine must agree exactly.
+    kv = KVCacheManager(num_blocks=16, block_size=4, model_id="my-model")
+    seq = _salted(list(range(3, 21)), "a", salt="tenant")
+    _prefill(kv, seq)
+    expected = hash_full_blocks(seq.prompt_token_ids, 4, root_hash("my-model", "tenant"))
+    assert seq.block_hashes == expected
+    assert len(expected) == 4
+
+
+def test_different_salts_never_share_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(13))
+    _prefill(kv, _salted(tokens, "a", salt="tenant-a"))
+    assert kv.find_cached_prefix(_salted(tokens, "b", salt="tenant-b")) == 0
+    assert kv.find_cached_prefix(_salted(tokens, "c", salt=None)) == 0
+    assert kv.find_cached_prefix(_salted(tokens, "d", salt="tenant-a")) == 12
+
+
+def test_a_different_model_never_shares_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=4, model_id="one")
+    _prefill(kv, _salted(list(range(13)), "a"))
+    kv.model_id = "two"
+    assert kv.find_cached_prefix(_salted(list(range(13)), "b")) == 0
+
+
+def test_lookup_stops_at_the_first_missing_block():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    _prefill(kv, _salted(list(range(16)) + [0], "a"))
+    # Block 1 differs, so block 2 cannot be reused even though its tokens match.
+    tokens = list(range(16)) + [0]
+    tokens[5] = 77
+    assert kv.find_cached_prefix(_salted(tokens, "b")) == 4
+
+
+def test_freed_blocks_stay_findable_until_evicted():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = _salted(list(range(9)), "a")
+    _prefill(kv, a)
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    b = _salted(list(range(9)), "b")
+    assert kv.find_cached_prefix(b) == 8
+    assert kv.num_free_blocks == 2
+    kv.free(b)
+    # Something else takes every block: the cache is gone.
+    other = _salted([50 + i for i in range(16)], "other")
+    assert kv.allocate(other, 16)
+    kv.free(other)
+    assert kv.find_cached_prefix(_salted(list(range(9)), "c")) == 0
+
+
+def test_free_queues_a_sequences_tail_for_eviction_before_its_head():
+    events = []
+    kv = KVCacheManager(num_blocks=3, block_size=4, on_events=lambda s, e: events.append((s, e)))
+    a = _salted(list(range(12)), "a")
+    _prefill(kv, a)
+    kv.flush_events()
+    kv.free(a)
+    other = _salted([90], "other")
+    assert kv.allocate(other, 1)
+    kv.flush_events()
+    # The last full block goes first; the leading ones, likelier to be shared, stay.
+    assert events[-1] == ([], [a.block_hashes[2]])
+    assert kv.find_cached_prefix(_salted(list(range(13)), "b")) == 8
+
+
+def test_lookup_on_a_sequence_that_holds_blocks_is_a_bug():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    seq = _salted(list(range(5)), "a")
+    assert kv.allocate(seq, 5)
+    with pytest.raises(RuntimeError, match="already holds blocks"):
+        kv.find_cached_prefix(seq)
+
+
+def test_disabled_prefix_caching_never_hashes_or_shares():
+    events = []
+    kv = KVCacheManager(
+        num_blocks=8,
+        block_size=4,
+        enable_prefix_caching=False,
+        on_events=lambda s, e: events.append((s, e)),
+    )
+    a = _salted(list(range(9)), "a")
+    _prefill(kv, a)
+    kv.flush_events()
+    assert a.block_hashes == []
+    assert kv.find_cached_prefix(_salted(list(range(9)), "b")) == 0
+    assert events == []
+    assert kv.pool.num_cached == 0
+
+
+def test_events_are_batched_until_flushed():
+    events = []
+    kv = KVCacheManager(num_blocks=8, block_size=4, on_events=lambda s, e: events.append((s, e)))
+    a, b = _salted(list(range(8)), "a"), _salted(list(range(20, 29)), "b")
+    _prefill(kv, a)
+    _prefill(kv, b)
+    assert events == []
+    kv.flush_events()
+    assert events == [(a.block_hashes + b.block_hashes, [])]
+    kv.flush_events()
+    assert len(events) == 1  # nothing changed, nothing sent

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers.engine.sampler import apply_top_k, apply_top_p, sample
+from workers.engine.sampler import apply_top_k, apply_top_p, greedy, sample
 from workers.engine.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -259,3 +259,15 @@ def test_vanishing_temperature_is_greedy():
     logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
     params = [SamplingParams(temperature=1e-40)]
     assert sample(logits, params, [None], torch.Generator().manual_seed(0)).token_ids == [2]
+
+
+def test_greedy_equals_argmax_and_breaks_ties_low():
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(greedy(logits), logits.argmax(dim=1))
+    tied = torch.tensor([[0.0, 2.0, 1.0, 2.0]])
+    assert greedy(tied).tolist() == [1]
+
+
+def test_greedy_refuses_nan_logits():
+    with pytest.raises(RuntimeError, match="NaN"):
+        greedy(torch.tensor([[float("nan"), 0.0]]))

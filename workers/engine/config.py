@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,11 @@ class EngineConfig:
     dtype: str = "auto"  # float32 on CPU (bf16 matmul there is far slower), bfloat16 on CUDA
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's setting
     seed: int = 0
+    # Reuse the K/V of prompt blocks computed before (same model, same cache salt).
+    enable_prefix_caching: bool = True
+    # The model's identity in block hashes; every process that must agree on them
+    # (router, replicas) names it alike. None: the model folder's name.
+    model_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -40,6 +46,8 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.model_id is not None and not self.model_id:
+            raise ValueError("model_id must be a non-empty name, or None for the folder's name")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -47,6 +55,9 @@ class EngineConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+    def resolved_model_id(self) -> str:
+        return self.model_id or Path(self.model).resolve().name
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

@@ -17,7 +17,7 @@ import torch
 
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.kv_cache_manager import KVCacheManager, KVEventCallback
 from workers.engine.model_runner import ModelRunner, SeqChunk, StepInput, kv_cache_bytes_per_block
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
@@ -39,6 +39,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,22 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_generated_tokens: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    prefix_cache_hit_rate: float
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        on_kv_events: KVEventCallback | None = None,
+    ):
+        """`on_kv_events(stored, evicted)` hears, once per step, which block hashes the
+        prefix cache gained and lost, for publishing to the prefix registry. It runs inside
+        `step`, so it must be quick and must not raise (hand the batch off, don't await it).
+        """
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -68,7 +81,13 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
             self.model_config, config.block_size, dtype
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            model_id=config.resolved_model_id(),
+            on_events=on_kv_events,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv
         )
@@ -89,9 +108,17 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queues a request; raises ValueError (naming the field) if it can never run."""
+        """Queues a request; raises ValueError (naming the field) if it can never run.
+
+        Only requests with the same `cache_salt` share prefix-cache blocks (one salt per
+        tenant keeps tenants from observing each other's prompts through timing).
+        """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
@@ -102,6 +129,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         params.check_against(vocab)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt)}")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -124,6 +153,7 @@ class LLMEngine:
             generator=(
                 torch.Generator().manual_seed(params.seed) if params.seed is not None else None
             ),
+            cache_salt=cache_salt,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -145,6 +175,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
+            self.kv.flush_events()
             return []
         # Decodes (one new token) first: the runner batches their attention.
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)
@@ -152,6 +183,8 @@ class LLMEngine:
         logits = self.runner.execute(StepInput([self._chunk(s) for s in scheduled]))
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            self.kv.commit_computed_blocks(s.seq)
+        self.kv.flush_events()
         self._num_steps += 1
         if not sampling:
             return []
@@ -206,6 +239,7 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # -- convenience ---------------------------------------------------------
@@ -225,6 +259,7 @@ class LLMEngine:
         return seqs
 
     def stats(self) -> EngineStats:
+        queries, hits = self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -233,6 +268,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
             num_generated_tokens=self._num_generated,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
         )
 
     def _eos_token_ids(self, model_dir: Path) -> frozenset[int]:

@@ -5,6 +5,10 @@ cache; a step gives each scheduled sequence some more. A decode is simply one
 new token, a prefill chunk is many, so both share a step. Running sequences
 go first, in arrival order; when the pool runs dry the newest running sequence
 is preempted (its blocks freed, to be recomputed later) rather than failing.
+
+A waiting sequence is looked up in the prefix cache when it is admitted, so it
+starts with the cached run of its leading blocks already computed; a preempted
+sequence is readmitted the same way and may find its own blocks still cached.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Tokens looked up in the prefix cache at admission, and how many were found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -91,10 +98,15 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
+                cached = self.kv.find_cached_prefix(seq)
                 n = min(seq.num_uncomputed_tokens, budget)
                 if not self.kv.allocate(seq, n):
+                    # Give back what the lookup attached; the next attempt looks again.
+                    self.kv.free(seq)
+                    seq.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
+                self._count_prefix_lookup(seq, cached)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, n))
@@ -109,6 +121,14 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:
+        if not self.kv.enable_prefix_caching:
+            return
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.engine.block_hash import BlockHash
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 
@@ -31,6 +32,8 @@ class Sequence:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
+    # Tenant key for prefix caching: only requests with the same salt share blocks.
+    cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -38,6 +41,13 @@ class Sequence:
     # Tokens (prompt and output alike) whose K/V are in the cache.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Chained hashes of the sequence's full blocks so far; tokens never change, so
+    # they outlive preemption.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Leading entries of block_table registered in the prefix cache.
+    num_committed_blocks: int = 0
+    # Prompt tokens whose K/V came from the prefix cache when first scheduled.
+    num_cached_tokens: int = 0
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -1,0 +1,111 @@
+"""Tensor parallelism on this machine: decode step and prefill time at tp=1 and tp=3,
+and the all-reduce cost per decode step.
+
+tp=1 is the in-process runner with --threads torch threads (a lone engine);
+tp=3 is a Ray worker group with one thread per rank. On a 2-core machine three
+ranks oversubscribe the cores, so tp=3 is expected to be slower here; the
+figures show what the per-step communication costs, to judge the GPU plan.
+
+    .venv/bin/python bench/tensor_parallel.py [--steps 30] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+
+import ray
+import torch
+from common import cpu_count, emit, git_commit, log, median
+
+from workers.engine.model_runner import ModelRunner, SeqChunk, StepInput
+from workers.model.config import ModelConfig
+from workers.model.default_model import ensure_default_model
+from workers.tp.group import TPWorkerGroup
+from workers.tp.worker import RunnerSpec
+
+BLOCK = 16
+PROMPT_LEN = 32
+PREFILL_LEN = 512
+
+
+def decode_step_s(runner, batch: int, steps: int) -> float:
+    """Median seconds of one decode step for `batch` sequences after a 32-token prefill."""
+    blocks_per_seq = (PROMPT_LEN + steps + BLOCK) // BLOCK + 1
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    prompts = [[(17 * i + j) % 40000 + 100 for j in range(PROMPT_LEN)] for i in range(batch)]
+    runner.execute(
+        StepInput([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+    )
+    times = []
+    for s in range(steps):
+        step = StepInput([SeqChunk([42], PROMPT_LEN + s, t, True) for t in tables])
+        start = time.perf_counter()
+        runner.execute(step)
+        times.append(time.perf_counter() - start)
+    return median(times[3:])
+
+
+def prefill_s(runner, rounds: int = 3) -> float:
+    prompt = [(7 * j) % 40000 + 100 for j in range(PREFILL_LEN)]
+    table = list(range(PREFILL_LEN // BLOCK))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        runner.execute(StepInput([SeqChunk(prompt, 0, table, True)]))
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=min(2, cpu_count()))
+    args = parser.parse_args()
+    model_dir = ensure_default_model()
+    cfg = ModelConfig.from_pretrained(model_dir)
+    num_blocks = max(64, args.batch * ((PROMPT_LEN + args.steps) // BLOCK + 3))
+    spec = RunnerSpec(str(model_dir), num_blocks, BLOCK, 2048, torch.float32, "cpu")
+    context = {"model": model_dir.name, "batch": args.batch, "git_commit": git_commit()}
+
+    torch.set_num_threads(args.threads)
+    single = ModelRunner(spec.model_dir, spec.num_blocks, BLOCK, spec.max_model_len)
+    log("tp=1 in process")
+    tp1_decode, tp1_prefill = decode_step_s(single, args.batch, args.steps), prefill_s(single)
+    del single
+
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(num_cpus=3, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    try:
+        log("tp=3 worker group")
+        group = TPWorkerGroup(3, spec)
+        tp3_decode, tp3_prefill = decode_step_s(group, args.batch, args.steps), prefill_s(group)
+        # Per decode step: two all-reduces per layer (attention and MLP outputs) and
+        # one for the vocab-parallel embedding, each over [batch, hidden].
+        per_call = group.time_all_reduce(args.batch * cfg.hidden_size, iters=200)
+        calls = 2 * cfg.num_hidden_layers + 1
+        group.shutdown()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    emit("tp1.decode_step_s", tp1_decode, "s", threads=args.threads, **context)
+    emit("tp3.decode_step_s", tp3_decode, "s", threads_per_rank=1, **context)
+    emit("tp1.prefill_512_s", tp1_prefill, "s", threads=args.threads, **context)
+    emit("tp3.prefill_512_s", tp3_prefill, "s", threads_per_rank=1, **context)
+    emit("tp3.allreduce_call_s", per_call, "s", numel=args.batch * cfg.hidden_size, **context)
+    emit("tp3.allreduce_per_step_s", per_call * calls, "s", calls_per_step=calls, **context)
+    emit("ratio.decode_step.tp3_over_tp1", tp3_decode / tp1_decode, "ratio", **context)
+    emit(
+        "ratio.allreduce_over_decode_step.tp3",
+        per_call * calls / tp3_decode,
+        "ratio",
+        **context,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""The prefix registry: the index on its own, then the named actor on a real local Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.prefix_registry import (
+    PrefixIndex,
+    PrefixRegistryConfig,
+    get_or_create_registry,
+)
+from workers.engine.block_hash import BlockHash, hash_full_blocks, root_hash
+
+ROOT = root_hash("m", None)
+
+
+def _chain(n: int, seed: int = 0) -> list[BlockHash]:
+    """Hashes of an n-block prompt; chains with different seeds share nothing."""
+    return hash_full_blocks([seed * 1000 + i for i in range(4 * n)], 4, ROOT)
+
+
+PROMPT = _chain(6)
+
+
+# -- the index ---------------------------------------------------------------------
+
+
+def test_longest_prefix_per_replica():
+    index = PrefixIndex(100)
+    index.publish("r1", PROMPT[:4], [])
+    index.publish("r2", PROMPT[:2], [])
+    index.publish("r3", _chain(3, seed=1), [])
+    assert index.longest_prefixes(PROMPT) == {"r1": 4, "r2": 2, "r3": 0}
+    assert index.longest_prefixes(PROMPT[:3]) == {"r1": 3, "r2": 2, "r3": 0}
+    assert index.longest_prefixes([]) == {"r1": 0, "r2": 0, "r3": 0}
+
+
+def test_only_a_leading_run_counts():
+    index = PrefixIndex(100)
+    # r1 holds blocks 0, 1 and 3, but not 2: its usable prefix ends at 2.
+    index.publish("r1", [PROMPT[0], PROMPT[1], PROMPT[3]], [])
+    # r2 holds later blocks only: nothing usable.
+    index.publish("r2", PROMPT[1:], [])
+    assert index.longest_prefixes(PROMPT) == {"r1": 2, "r2": 0}
+
+
+def test_evictions_shorten_prefixes():
+    index = PrefixIndex(100)
+    index.publish("r1", PROMPT, [])
+    index.publish("r1", [], [PROMPT[3]])
+    assert index.longest_prefixes(PROMPT) == {"r1": 3}
+    index.publish("r1", [], [PROMPT[0]])
+    assert index.longest_prefixes(PROMPT) == {"r1": 0}
+    assert index.stats()["entries"] == 4
+    # Evicting what is not held changes nothing.
+    index.publish("r1", [], [PROMPT[0], _chain(1, seed=9)[0]])
+    assert index.stats()["entries"] == 4
+
+
+def test_a_batch_applies_evictions_before_stores():
+    index = PrefixIndex(100)
+    index.publish("r1", PROMPT[:2], [])
+    index.publish("r1", [PROMPT[1], PROMPT[2]], [PROMPT[1]])
+    assert index.longest_prefixes(PROMPT) == {"r1": 3}
+
+
+def test_the_size_bound_drops_the_least_recently_used_entries():
+    index = PrefixIndex(5)
+    index.publish("r1", PROMPT[:3], [])
+    index.publish("r2", PROMPT[:2], [])
+    assert index.stats()["entries"] == 5
+    # A query refreshes the entries it matched: block 0 of r1 and of r2.
+    index.longest_prefixes(PROMPT[:1])
+    index.publish("r3", PROMPT[:2], [])
+    # The two oldest entries went: r1's blocks 1 and 2.
+    stats = index.stats()
+    assert stats["entries"] == 5
+    assert stats["dropped_entries"] == 2
+    assert index.longest_prefixes(PROMPT) == {"r1": 1, "r2": 2, "r3": 2}
+
+
+def test_restoring_an_entry_refreshes_it():
+    index = PrefixIndex(2)
+    a, b, c = _chain(3)
+    index.publish("r1", [a, b], [])
+    index.publish("r1", [a], [])  # a is now the most recent
+    index.publish("r1", [c], [])
+    assert index.longest_prefixes([a]) == {"r1": 1}
+    assert index.longest_prefixes([b]) == {"r1": 0}
+
+
+def test_memory_stays_bounded_under_a_flood():
+    index = PrefixIndex(50)
+    for seed in range(40):
+        index.publish(f"r{seed % 4}", _chain(8, seed=seed), [])
+    stats = index.stats()
+    assert stats["entries"] == 50
+    assert stats["hashes"] <= 50
+    assert stats["dropped_entries"] == 40 * 8 - 50
+
+
+def test_removing_a_replica_drops_all_its_entries():
+    index = PrefixIndex(100)
+    index.publish("r1", PROMPT, [])
+    index.publish("r2", PROMPT[:3], [])
+    assert index.remove_replica("r1") == 6
+    assert index.longest_prefixes(PROMPT) == {"r2": 3}
+    assert index.stats() == {
+        "entries": 3,
+        "max_entries": 100,
+        "hashes": 3,
+        "replicas": 1,
+        "dropped_entries": 0,
+        "queries": 1,
+    }
+    assert index.remove_replica("r1") == 0
+    index.remove_replica("r2")
+    assert index.stats()["hashes"] == 0
+    assert index.longest_prefixes(PROMPT) == {}
+
+
+def test_bad_input_is_refused_with_a_hint():
+    with pytest.raises(ValueError, match="max_entries"):
+        PrefixIndex(0)
+    with pytest.raises(ValueError, match="max_entries"):
+        PrefixRegistryConfig(max_entries=0)
+    index = PrefixIndex(10)
+    with pytest.raises(ValueError, match="BlockHash"):
+        index.publish("r1", [PROMPT[0].digest], [])
+    with pytest.raises(ValueError, match="replica_id"):
+        index.publish("", PROMPT, [])
+    with pytest.raises(ValueError, match="BlockHash"):
+        index.longest_prefixes([PROMPT[0].hex()])
+    assert index.stats()["entries"] == 0
+
+
+# -- the actor on a real Ray ------------------------------------------------------------
+
+
+@pytest.fixture
+def registry(ray_cluster, request):
+    # A registry per test: a unique name so no state leaks between tests.
+    config = PrefixRegistryConfig(max_entries=8, name=f"registry-{request.node.name}")
+    handle = get_or_create_registry(config)
+    yield handle
+    ray_cluster.kill(handle)
+
+
+@pytest.mark.slow
+def test_actor_answers_per_replica_from_published_events(ray_cluster, registry):
+    ray = ray_cluster
+    ray.get(registry.publish.remote("prefill-0", PROMPT[:4], []))
+    ray.get(registry.publish.remote("prefill-1", PROMPT[:2], []))
+    assert ray.get(registry.longest_prefixes.remote(PROMPT)) == {"prefill-0": 4, "prefill-1": 2}
+    # Eviction events.
+    ray.get(registry.publish.remote("prefill-0", [], [PROMPT[1]]))
+    assert ray.get(registry.longest_prefixes.remote(PROMPT)) == {"prefill-0": 1, "prefill-1": 2}
+
+
+@pytest.mark.slow
+def test_actor_applies_one_replicas_batches_in_order(ray_cluster, registry):
+    ray = ray_cluster
+    a = PROMPT[0]
+    # Not awaited one by one: a store, an evict and a store again, all in flight at once.
+    refs = [
+        registry.publish.remote("r", [a], []),
+        registry.publish.remote("r", [], [a]),
+        registry.publish.remote("r", [a], []),
+        registry.publish.remote("r", [], [a]),
+    ]
+    answer = registry.longest_prefixes.remote([a])
+    ray.get(refs)
+    assert ray.get(answer) == {"r": 0}
+
+
+@pytest.mark.slow
+def test_actor_keeps_its_size_bound(ray_cluster, registry):
+    ray = ray_cluster
+    ray.get(registry.publish.remote("r1", _chain(6, seed=1), []))
+    ray.get(registry.publish.remote("r2", _chain(6, seed=2), []))
+    stats = ray.get(registry.stats.remote())
+    assert stats["entries"] == 8
+    assert stats["dropped_entries"] == 4
+    # r1's oldest (leading) blocks went first.
+    answer = ray.get(registry.longest_prefixes.remote(_chain(6, seed=1)))
+    assert answer == {"r1": 0, "r2": 0}
+    assert ray.get(registry.longest_prefixes.remote(_chain(6, seed=2))) == {"r1": 0, "r2": 6}
+
+
+@pytest.mark.slow
+def test_actor_drops_a_removed_replica(ray_cluster, registry):
+    ray = ray_cluster
+    ray.get(registry.publish.remote("r1", PROMPT[:3], []))
+    ray.get(registry.publish.remote("r2", PROMPT[:3], []))
+    assert ray.get(registry.remove_replica.remote("r1")) == 3
+    assert ray.get(registry.longest_prefixes.remote(PROMPT)) == {"r2": 3}
+    assert ray.get(registry.stats.remote())["entries"] == 3
+
+
+@pytest.mark.slow
+def test_get_or_create_finds_the_same_named_actor(ray_cluster, registry, request):
+    ray = ray_cluster
+    again = get_or_create_registry(
+        PrefixRegistryConfig(max_entries=8, name=f"registry-{request.node.name}")
+    )
+    ray.get(registry.publish.remote("r1", PROMPT[:2], []))
+    assert ray.get(again.longest_prefixes.remote(PROMPT)) == {"r1": 2}
+    named = ray.get_actor(f"registry-{request.node.name}", namespace="baton")
+    assert ray.get(named.stats.remote())["entries"] == 2
+
+
+@pytest.mark.slow
+def test_actor_refuses_bad_events(ray_cluster, registry):
+    ray = ray_cluster
+    with pytest.raises(ray.exceptions.RayTaskError, match="BlockHash"):
+        ray.get(registry.publish.remote("r1", ["not-a-hash"], []))
+    # The actor survives a bad call and keeps serving.
+    assert ray.get(registry.stats.remote())["entries"] == 0

@@ -1,0 +1,94 @@
+"""A tensor-parallel worker group: one Ray actor per rank, packed on one node.
+
+The engine drives it exactly like an in-process ModelRunner (`execute(step)
+-> logits`): each step is sent to every rank, the ranks exchange activations
+over torch.distributed, and rank 0's logits come back. A rank that dies turns
+the next step into a RuntimeError naming it, rather than a hang.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.model_runner import StepInput
+from workers.tp.worker import RunnerSpec, TPWorker
+
+_PLACEMENT_TIMEOUT_S = 60.0
+
+
+class TPWorkerGroup:
+    def __init__(self, tp_size: int, spec: RunnerSpec, num_threads_per_rank: int = 1):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            # A lone engine (baton generate --tp N) gets a private local Ray.
+            ray.init(include_dashboard=False, log_to_driver=False)
+        self._ray = ray
+        self._remove_pg = remove_placement_group
+        self.tp_size = tp_size
+        gpu = spec.device.startswith("cuda")
+        bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
+        # STRICT_PACK: the ranks exchange activations twice per layer, so they
+        # must share a node.
+        self.placement_group = placement_group([bundle] * tp_size, strategy="STRICT_PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as e:
+            self._remove_pg(self.placement_group)
+            raise RuntimeError(
+                f"no node has room for {tp_size} TP ranks ({bundle} each) within "
+                f"{_PLACEMENT_TIMEOUT_S:.0f}s; lower the TP degree or add resources"
+            ) from e
+        actor = ray.remote(TPWorker)
+        self.workers = [
+            actor.options(
+                num_cpus=1,
+                num_gpus=1 if gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank
+                ),
+            ).remote(rank, tp_size, num_threads_per_rank)
+            for rank in range(tp_size)
+        ]
+        address, port = ray.get(self.workers[0].rendezvous_address.remote())
+        self._gather([w.start.remote(address, port, spec) for w in self.workers])
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        return self._gather([w.execute.remote(step) for w in self.workers])[0]
+
+    def weight_bytes(self) -> list[int]:
+        return self._gather([w.weight_bytes.remote() for w in self.workers])
+
+    def time_all_reduce(self, numel: int, iters: int = 50) -> float:
+        return max(self._gather([w.time_all_reduce.remote(numel, iters) for w in self.workers]))
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            self._ray.kill(w)
+        self._remove_pg(self.placement_group)
+        self.workers = []
+
+    def _gather(self, refs: list) -> list:
+        """Results of one call on every rank, failing fast when any rank fails.
+
+        Waiting on all ranks together (not rank 0 first) matters: when rank 2
+        dies, rank 0 blocks inside an all-reduce, and only rank 2's reference
+        tells what happened.
+        """
+        ray = self._ray
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                rank = rank_of[done[0]]
+                self.shutdown()
+                raise RuntimeError(
+                    f"TP rank {rank} of {self.tp_size} failed; the worker group is shut "
+                    f"down and the engine must be restarted: {e}"
+                ) from e
+        return ray.get(refs)

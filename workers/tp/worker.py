@@ -1,0 +1,108 @@
+"""One tensor-parallel rank: a member of the torch.distributed group that owns
+its shard of the weights and its slice of every KV-cache block."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from workers.engine.model_runner import ModelRunner, StepInput
+from workers.model.parallel import TPGroup
+
+# A rank stuck in a collective because a peer died gives up after this long;
+# the group notices the dead peer much sooner (see TPWorkerGroup.execute).
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """What every rank needs to build its ModelRunner."""
+
+    model_dir: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    dtype: torch.dtype
+    device: str
+
+
+class TPWorker:
+    """Runs as a Ray actor, one per rank, inside the group's placement group."""
+
+    def __init__(self, rank: int, world_size: int, num_threads: int):
+        self.rank = rank
+        self.world_size = world_size
+        torch.set_num_threads(num_threads)
+        self.runner: ModelRunner | None = None
+        self.tp: TPGroup | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's node address and a port free on it, for the group's TCP store."""
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def start(self, address: str, port: int, spec: RunnerSpec) -> None:
+        backend = "nccl" if spec.device.startswith("cuda") else "gloo"
+        device = spec.device
+        if backend == "nccl":
+            # Ray hands each rank its own GPU, visible as device 0.
+            device = "cuda:0"
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        self.tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
+        self.runner = ModelRunner(
+            spec.model_dir,
+            spec.num_blocks,
+            spec.block_size,
+            spec.max_model_len,
+            spec.dtype,
+            device,
+            tp=self.tp,
+        )
+
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Every rank runs the step; only rank 0 returns the (full-vocab) logits."""
+        logits = self._runner().execute(step)
+        return logits.cpu() if self.rank == 0 else None
+
+    def weight_bytes(self) -> int:
+        """Bytes of model weights this rank holds (all layouts it keeps)."""
+        model = self._runner().model
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        for module in model.modules():
+            for name in ("packed", "weight_t"):
+                t = getattr(module, name, None)
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+    def time_all_reduce(self, numel: int, iters: int) -> float:
+        """Mean seconds of one all-reduce of `numel` floats, as the layers issue them."""
+        assert self.tp is not None
+        x = torch.ones(numel)
+        self.tp.all_reduce(x)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            self.tp.all_reduce(x)
+        return (time.perf_counter() - start) / iters
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError(f"TP rank {self.rank} was not started")
+        return self.runner
