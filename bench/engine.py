@@ -121,7 +121,11 @@ def main() -> None:
 
     model_dir = ensure_default_model()
     gguf = ensure_default_gguf()
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=args.threads))
+    # Prefix caching off: rounds repeat the same prompts, and a cache hit would
+    # measure the cache (bench/prefix_cache.py does), not the engine against HF.
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), num_threads=args.threads, enable_prefix_caching=False)
+    )
     log("loading transformers' reference from the GGUF file")
     hf = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32

@@ -20,11 +20,10 @@ import ray
 import torch
 from common import cpu_count, emit, git_commit, log, median
 
-from workers.engine.model_runner import ModelRunner, SeqChunk, StepInput
+from workers.engine.model_runner import ModelRunner, RunnerSpec, SeqChunk, StepInput
 from workers.model.config import ModelConfig
 from workers.model.default_model import ensure_default_model
 from workers.tp.group import TPWorkerGroup
-from workers.tp.worker import RunnerSpec
 
 BLOCK = 16
 PROMPT_LEN = 32

@@ -200,3 +200,9 @@ def test_stats_track_requests_and_blocks(model_dir):
     stats = engine.stats()
     assert stats.num_generated_tokens == 3 * GREEDY.max_tokens
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_tp_degree_must_divide_the_heads(model_dir):
+    # The tiny model has 4 query heads and 2 KV heads: 1 and 2 divide both.
+    with pytest.raises(ValueError, match=r"valid degrees: \[1, 2\]"):
+        _engine(model_dir, tensor_parallel_size=3)

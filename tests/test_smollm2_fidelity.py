@@ -115,3 +115,14 @@ def test_preemption_keeps_outputs_and_frees_every_block(smollm2_dir, engine, pro
     stats = small.stats()
     assert stats.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_tp3_greedy_tokens_match_tp1(ray_cluster, smollm2_dir, engine, prompts):
+    # Ten prompts in one continuously batched run, on three Ray worker ranks.
+    ten = prompts[:10]
+    tp3 = LLMEngine(EngineConfig(model=str(smollm2_dir), tensor_parallel_size=3))
+    try:
+        assert _greedy(tp3, ten, 32) == _greedy(engine, ten, 32)
+        assert tp3.stats().num_free_blocks == tp3.stats().num_total_blocks
+    finally:
+        tp3.shutdown()

@@ -6,9 +6,8 @@ import pytest
 import torch
 from tiny_model import make_tiny_model
 
-from workers.engine.model_runner import ModelRunner, SeqChunk, StepInput
+from workers.engine.model_runner import ModelRunner, RunnerSpec, SeqChunk, StepInput
 from workers.tp.group import TPWorkerGroup
-from workers.tp.worker import RunnerSpec
 
 pytestmark = pytest.mark.slow  # starts Ray worker processes
 

@@ -23,7 +23,11 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto"
     dtype: str = "auto"  # float32 on CPU (bf16 matmul there is far slower), bfloat16 on CUDA
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's setting
+    # torch intra-op threads: of the engine's process when tensor_parallel_size is 1
+    # (None leaves torch's setting), else of each rank (None means 1).
+    num_threads: int | None = None
+    # Ranks (Ray actors, one device each) the attention and MLP weights are split over.
+    tensor_parallel_size: int = 1
     seed: int = 0
     # Reuse the K/V of prompt blocks computed before (same model, same cache salt).
     enable_prefix_caching: bool = True
@@ -44,6 +48,8 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.model_id is not None and not self.model_id:

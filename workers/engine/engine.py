@@ -18,13 +18,20 @@ import torch
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache_manager import KVCacheManager, KVEventCallback
-from workers.engine.model_runner import ModelRunner, SeqChunk, StepInput, kv_cache_bytes_per_block
+from workers.engine.model_runner import (
+    ModelRunner,
+    RunnerSpec,
+    SeqChunk,
+    StepInput,
+    kv_cache_bytes_per_block,
+)
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import Tokenizer
+from workers.tp.group import TPWorkerGroup
 
 
 @dataclass
@@ -68,18 +75,27 @@ class LLMEngine:
         `step`, so it must be quick and must not raise (hand the batch off, don't await it).
         """
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_pretrained(model_dir)
+        tp = config.tensor_parallel_size
+        if tp not in self.model_config.valid_tp_degrees():
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's "
+                f"{self.model_config.num_attention_heads} attention heads and "
+                f"{self.model_config.num_key_value_heads} KV heads; valid degrees: "
+                f"{self.model_config.valid_tp_degrees()}"
+            )
+        if config.num_threads is not None and tp == 1:
+            torch.set_num_threads(config.num_threads)
         self.tokenizer = tokenizer or Tokenizer(model_dir)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
         dtype = config.resolved_dtype()
+        # The budget is per device: each rank holds its KV heads' slice of every block.
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
-            self.model_config, config.block_size, dtype
+            self.model_config, config.block_size, dtype, tp
         )
         self.kv = KVCacheManager(
             num_blocks,
@@ -91,14 +107,19 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv
         )
-        self.runner = ModelRunner(
-            model_dir,
+        spec = RunnerSpec(
+            str(model_dir),
             num_blocks,
             config.block_size,
             self.max_model_len,
             dtype,
             config.resolved_device(),
         )
+        self.runner: ModelRunner | TPWorkerGroup
+        if tp == 1:
+            self.runner = ModelRunner.from_spec(spec)
+        else:
+            self.runner = TPWorkerGroup(tp, spec, config.num_threads or 1)
         self.eos_token_ids = self._eos_token_ids(model_dir)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._requests: dict[str, Sequence] = {}
@@ -257,6 +278,11 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return seqs
+
+    def shutdown(self) -> None:
+        """Releases the TP worker processes, if any; the engine is unusable afterwards."""
+        if isinstance(self.runner, TPWorkerGroup):
+            self.runner.shutdown()
 
     def stats(self) -> EngineStats:
         queries, hits = self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits

@@ -33,6 +33,19 @@ class StepInput:
     chunks: list[SeqChunk] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything a runner needs, as plain data: the engine builds one and hands it to
+    an in-process runner or to every rank of a tensor-parallel group."""
+
+    model_dir: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+
 def kv_cache_bytes_per_block(
     cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
 ) -> int:
@@ -65,6 +78,18 @@ class ModelRunner:
             v = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.bind_cache(k, v)
             self.kv_caches.append((k, v))
+
+    @classmethod
+    def from_spec(cls, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRunner:
+        return cls(
+            spec.model_dir,
+            spec.num_blocks,
+            spec.block_size,
+            spec.max_model_len,
+            spec.dtype,
+            spec.device,
+            tp,
+        )
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:

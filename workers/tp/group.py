@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.engine.model_runner import StepInput
-from workers.tp.worker import RunnerSpec, TPWorker
+from workers.engine.model_runner import RunnerSpec, StepInput
+from workers.tp.worker import TPWorker
 
 _PLACEMENT_TIMEOUT_S = 60.0
 

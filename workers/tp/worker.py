@@ -5,30 +5,18 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from workers.engine.model_runner import ModelRunner, StepInput
+from workers.engine.model_runner import ModelRunner, RunnerSpec, StepInput
 from workers.model.parallel import TPGroup
 
 # A rank stuck in a collective because a peer died gives up after this long;
 # the group notices the dead peer much sooner (see TPWorkerGroup.execute).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-
-
-@dataclass(frozen=True)
-class RunnerSpec:
-    """What every rank needs to build its ModelRunner."""
-
-    model_dir: str
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    dtype: torch.dtype
-    device: str
 
 
 class TPWorker:
@@ -65,15 +53,7 @@ class TPWorker:
             timeout=COLLECTIVE_TIMEOUT,
         )
         self.tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
-        self.runner = ModelRunner(
-            spec.model_dir,
-            spec.num_blocks,
-            spec.block_size,
-            spec.max_model_len,
-            spec.dtype,
-            device,
-            tp=self.tp,
-        )
+        self.runner = ModelRunner.from_spec(replace(spec, device=device), self.tp)
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Every rank runs the step; only rank 0 returns the (full-vocab) logits."""
