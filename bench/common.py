@@ -37,3 +37,49 @@ def median(values: list[float]) -> float:
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0))
+
+
+TOPICS = [
+    "the history of the printing press",
+    "how volcanoes form",
+    "the rules of chess",
+    "photosynthesis in plants",
+    "the life of honey bees",
+    "how a compiler works",
+    "the water cycle",
+    "the French revolution",
+    "black holes",
+    "the human immune system",
+    "how to bake bread",
+    "the Roman empire",
+    "electric cars",
+    "the ocean tides",
+    "machine learning",
+    "the Great Wall of China",
+    "jazz music",
+    "the Moon landing",
+    "climate change",
+    "the internet",
+    "ancient Egypt",
+    "quantum computing",
+    "the Amazon rainforest",
+    "the Olympic games",
+    "coffee",
+    "earthquakes",
+    "the stock market",
+    "dinosaurs",
+    "the solar system",
+    "renewable energy",
+    "the violin",
+    "origami",
+]
+
+
+def topic_prompt(tokenizer, topic: str, length: int) -> list[int]:
+    """Natural text about `topic`, cut to exactly `length` tokens."""
+    text = f"Here is a long, careful essay about {topic}, its origins, its key facts and why it "
+    text += "matters to people today. "
+    ids = tokenizer.encode(text * (1 + length // 8))
+    if len(ids) < length:
+        raise RuntimeError(f"the {topic!r} text has only {len(ids)} tokens")
+    return ids[:length]

@@ -19,7 +19,7 @@ import uuid
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import cpu_count, emit, git_commit, log, median  # noqa: E402
+from common import TOPICS, cpu_count, emit, git_commit, log, median, topic_prompt  # noqa: E402
 
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import LLMEngine  # noqa: E402
@@ -27,49 +27,6 @@ from workers.engine.sampling_params import SamplingParams  # noqa: E402
 from workers.model.default_model import ensure_default_gguf, ensure_default_model  # noqa: E402
 
 NEW_TOKENS = 128
-TOPICS = [
-    "the history of the printing press",
-    "how volcanoes form",
-    "the rules of chess",
-    "photosynthesis in plants",
-    "the life of honey bees",
-    "how a compiler works",
-    "the water cycle",
-    "the French revolution",
-    "black holes",
-    "the human immune system",
-    "how to bake bread",
-    "the Roman empire",
-    "electric cars",
-    "the ocean tides",
-    "machine learning",
-    "the Great Wall of China",
-    "jazz music",
-    "the Moon landing",
-    "climate change",
-    "the internet",
-    "ancient Egypt",
-    "quantum computing",
-    "the Amazon rainforest",
-    "the Olympic games",
-    "coffee",
-    "earthquakes",
-    "the stock market",
-    "dinosaurs",
-    "the solar system",
-    "renewable energy",
-    "the violin",
-    "origami",
-]
-
-
-def prompt_of(tokenizer, topic: str, length: int) -> list[int]:
-    """A natural prompt about `topic`, cut or padded to exactly `length` tokens."""
-    text = (
-        f"Write a detailed essay about {topic}. Cover its origins, key facts and why it matters. "
-    )
-    ids = tokenizer.encode(text * (1 + length // 8))
-    return ids[:length]
 
 
 def engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
@@ -131,9 +88,9 @@ def main() -> None:
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     ).eval()
     tok = engine.tokenizer
-    single = [prompt_of(tok, TOPICS[0], 32)]
-    batches = {c: [prompt_of(tok, TOPICS[i], 32) for i in range(c)] for c in (8, 32)}
-    long_prompt = [prompt_of(tok, TOPICS[1], 512)]
+    single = [topic_prompt(tok, TOPICS[0], 32)]
+    batches = {c: [topic_prompt(tok, TOPICS[i], 32) for i in range(c)] for c in (8, 32)}
+    long_prompt = [topic_prompt(tok, TOPICS[1], 512)]
 
     results: dict[str, dict[str, list[float]]] = {}
 

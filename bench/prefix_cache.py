@@ -22,7 +22,7 @@ import uuid
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from common import cpu_count, emit, git_commit, log, median  # noqa: E402
+from common import TOPICS, cpu_count, emit, git_commit, log, median, topic_prompt  # noqa: E402
 
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import LLMEngine  # noqa: E402
@@ -34,26 +34,6 @@ SEEN_TOKENS = 960  # 60 full blocks of 16
 CONCURRENCY = 8
 NEW_TOKENS = 128
 THROUGHPUT_PROMPT_TOKENS = 64
-TOPICS = [
-    "the history of the printing press",
-    "how volcanoes form",
-    "the rules of chess",
-    "photosynthesis in plants",
-    "the life of honey bees",
-    "how a compiler works",
-    "the water cycle",
-    "the French revolution",
-]
-
-
-def text_tokens(tokenizer, topic: str, length: int) -> list[int]:
-    """Natural text about `topic`, cut to exactly `length` tokens."""
-    text = f"Here is a long, careful essay about {topic}, its origins, its key facts and why it "
-    text += "matters to people today. "
-    ids = tokenizer.encode(text * (1 + length // 8))
-    if len(ids) < length:
-        raise RuntimeError(f"the {topic!r} text has only {len(ids)} tokens")
-    return ids[:length]
 
 
 def ttft(engine: LLMEngine, prompt: list[int], salt: str) -> tuple[float, int, int]:
@@ -96,11 +76,11 @@ def main() -> None:
         EngineConfig(model=str(model_dir), num_threads=args.threads, enable_prefix_caching=False)
     )
     tok = cache_on.tokenizer
-    seen = text_tokens(tok, "the history of computing", SEEN_TOKENS)
+    seen = topic_prompt(tok, "the history of computing", SEEN_TOKENS)
     tail = PROMPT_TOKENS - SEEN_TOKENS
-    warm_prompt = seen + text_tokens(tok, "the deep sea", tail)
-    prompt = seen + text_tokens(tok, "mountain weather", tail)
-    batch = [text_tokens(tok, t, THROUGHPUT_PROMPT_TOKENS) for t in TOPICS[:CONCURRENCY]]
+    warm_prompt = seen + topic_prompt(tok, "the deep sea", tail)
+    prompt = seen + topic_prompt(tok, "mountain weather", tail)
+    batch = [topic_prompt(tok, t, THROUGHPUT_PROMPT_TOKENS) for t in TOPICS[:CONCURRENCY]]
 
     results: dict[str, list[float]] = {}
 

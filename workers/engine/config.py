@@ -34,6 +34,9 @@ class EngineConfig:
     # The model's identity in block hashes; every process that must agree on them
     # (router, replicas) names it alike. None: the model folder's name.
     model_id: str | None = None
+    # A prefill-only request's blocks are held this long for a decode engine to
+    # import them (unless released sooner), so an abandoned handoff never strands them.
+    handoff_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -54,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.model_id is not None and not self.model_id:
             raise ValueError("model_id must be a non-empty name, or None for the folder's name")
+        if not self.handoff_timeout_s > 0:  # also rejects NaN
+            raise ValueError(f"handoff_timeout_s must be > 0, got {self.handoff_timeout_s!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

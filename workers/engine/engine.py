@@ -15,9 +15,12 @@ from pathlib import Path
 
 import torch
 
+from workers.engine.block_hash import BlockHash
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.handoff import HeldHandoffs, KVImports
 from workers.engine.kv_cache_manager import KVCacheManager, KVEventCallback
+from workers.engine.kv_transfer import KVBlocks, KVHandle, KVLayout
 from workers.engine.model_runner import (
     ModelRunner,
     RunnerSpec,
@@ -47,6 +50,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Set when a prefill-only request stops for a KV handoff (finished, with no
+    # finish_reason: the request goes on at a decode engine); the K/V: `export_kv`.
+    handoff: KVHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,12 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
     prefix_cache_hit_rate: float
+    handoffs_held: int  # prefill-only requests whose blocks wait for a decode engine
+    handoffs_expired: int  # of those, released by handoff_timeout_s rather than by decode
+    imports_waiting: int  # prefilled requests waiting for blocks to import into
+    kv_blocks_exported: int
+    kv_blocks_imported: int
+    kv_blocks_reused_for_import: int  # taken from this engine's prefix cache instead
 
 
 class LLMEngine:
@@ -120,6 +132,13 @@ class LLMEngine:
             self.runner = ModelRunner.from_spec(spec)
         else:
             self.runner = TPWorkerGroup(tp, spec, config.num_threads or 1)
+        layout = KVLayout.of(self.model_config, config.block_size)
+        self.handoffs = HeldHandoffs(self.kv, self.runner, layout, tp, config.handoff_timeout_s)
+        self.imports = KVImports(
+            self.kv, self.scheduler, self.runner, layout, tp, self.model_config.vocab_size
+        )
+        # First-token outputs of imported requests, handed out by the next step.
+        self._outbox: list[RequestOutput] = []
         self.eos_token_ids = self._eos_token_ids(model_dir)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._requests: dict[str, Sequence] = {}
@@ -134,13 +153,31 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        prefill_only: bool = False,
     ) -> None:
         """Queues a request; raises ValueError (naming the field) if it can never run.
 
         Only requests with the same `cache_salt` share prefix-cache blocks (one salt per
         tenant keeps tenants from observing each other's prompts through timing).
+
+        A `prefill_only` request stops after its first token unless that token ends it:
+        that output is finished with no finish_reason and carries a `handoff` handle, and
+        the blocks stay held for `export_kv` until `release_handoff` or `handoff_timeout_s`.
         """
-        if request_id in self._requests:
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
+        seq.prefill_only = prefill_only
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> Sequence:
+        """A checked request's sequence (not queued yet); ValueError naming a bad field."""
+        if request_id in self._requests or request_id in self.handoffs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -164,7 +201,7 @@ class LLMEngine:
                 f"prompt + max_tokens = {total} tokens exceeds the KV cache "
                 f"({self.kv.num_blocks * self.kv.block_size} tokens); lower max_tokens"
             )
-        seq = Sequence(
+        return Sequence(
             request_id,
             prompt,
             params,
@@ -176,28 +213,33 @@ class LLMEngine:
             ),
             cache_salt=cache_salt,
         )
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
-        """Drops a request and frees its blocks; False if it was unknown or already done."""
+        """Drops a request or held handoff, freeing its blocks; False if unknown or done."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
-            return False
+            return self.handoffs.release(request_id)
         seq.finish_reason = FinishReason.ABORT
+        self.imports.discard(seq)
         self.scheduler.finish(seq)
+        self._outbox = [o for o in self._outbox if o.request_id != request_id]
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """True while `step` has work or outputs to hand out (held handoffs are not work)."""
+        return self.scheduler.has_work() or bool(self.imports.pending or self._outbox)
 
     # -- stepping ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        self.handoffs.expire(now)
+        self._admit_imports(now)
+        outputs, self._outbox = self._outbox, []
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             self.kv.flush_events()
-            return []
+            return outputs
         # Decodes (one new token) first: the runner batches their attention.
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)
         sampling = [s.seq for s in scheduled if s.samples]
@@ -207,8 +249,9 @@ class LLMEngine:
             self.kv.commit_computed_blocks(s.seq)
         self.kv.flush_events()
         self._num_steps += 1
+        self._num_generated += len(sampling)
         if not sampling:
-            return []
+            return outputs
         result = sample(
             logits,
             [seq.params for seq in sampling],
@@ -216,7 +259,7 @@ class LLMEngine:
             self._generator,
         )
         now = time.monotonic()
-        return [
+        return outputs + [
             self._append_token(seq, token, logprob, now)
             for seq, token, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True)
         ]
@@ -236,7 +279,6 @@ class LLMEngine:
             seq.output_logprobs.append(logprob)
         if seq.first_token_time is None:
             seq.first_token_time = now
-        self._num_generated += 1
         params = seq.params
         reason = None
         stops_on_token = token in params.stop_token_ids or (
@@ -246,22 +288,69 @@ class LLMEngine:
             reason = FinishReason.STOP
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        if reason is not None:
+        # A prefill-only request that goes on ends here without a reason: it is not over.
+        handing_off = reason is None and seq.prefill_only
+        if reason is not None or handing_off:
             seq.finish_reason = reason
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq, keep_blocks=handing_off)
             self._requests.pop(seq.request_id, None)
+        handoff = self.handoffs.hold(seq, now) if handing_off else None
+        # A handoff releases text as a running request would, so the decode engine's
+        # first output (the same token) carries the same text.
         text = seq.detokenizer.release(finished=reason is not None) if seq.detokenizer else ""
         return RequestOutput(
             seq.request_id,
             [token],
             text,
             [logprob] if logprob is not None else [],
-            finished=reason is not None,
+            finished=reason is not None or handing_off,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            handoff=handoff,
         )
+
+    # -- KV handoff (the protocol: handoff.py) --------------------------------
+
+    def export_kv(self, request_id: str, skip_blocks: int = 0) -> tuple[KVHandle, list[KVBlocks]]:
+        """Prefill side: a held handoff's handle and its blocks from `skip_blocks` on, one
+        KVBlocks per TP rank in rank order; callable again until released."""
+        return self.handoffs.export(request_id, skip_blocks)
+
+    def release_handoff(self, request_id: str) -> bool:
+        """Prefill side: frees a handoff's blocks once decode has them; False if unknown."""
+        return self.handoffs.release(request_id)
+
+    def cached_prefix_blocks(
+        self, block_hashes: list[BlockHash], token_ids: list[int], cache_salt: str | None = None
+    ) -> int:
+        """Decode side: how many of these leading full blocks this engine's prefix cache
+        holds now (a hint for `export_kv`'s `skip_blocks`; nothing is reserved)."""
+        return len(self.kv.cached_blocks(list(block_hashes), list(token_ids), cache_salt))
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        handle: KVHandle,
+        kv_parts: list[KVBlocks],
+        cache_salt: str | None = None,
+    ) -> None:
+        """Decode side: continues a request another engine prefilled, reusing this engine's
+        cached leading blocks and importing the rest. The next `step` outputs the handed-over
+        first token (stop conditions apply: it may finish at once). ValueError when the handle
+        does not fit; StalePrefixError when the export skipped blocks no longer held here."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
+        self.imports.add(seq, handle, kv_parts)
+        self._requests[request_id] = seq
+        self._admit_imports(time.monotonic())
+
+    def _admit_imports(self, now: float) -> None:
+        for seq, handle in self.imports.admit(self.config.max_num_seqs):
+            token, logprob = handle.first_token, handle.first_logprob
+            self._outbox.append(self._append_token(seq, token, logprob, now))
 
     # -- convenience ---------------------------------------------------------
 
@@ -297,6 +386,12 @@ class LLMEngine:
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
             prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            handoffs_held=len(self.handoffs),
+            handoffs_expired=self.handoffs.num_expired,
+            imports_waiting=len(self.imports.pending),
+            kv_blocks_exported=self.handoffs.num_blocks_exported,
+            kv_blocks_imported=self.imports.num_blocks_imported,
+            kv_blocks_reused_for_import=self.imports.num_blocks_reused,
         )
 
     def _eos_token_ids(self, model_dir: Path) -> frozenset[int]:

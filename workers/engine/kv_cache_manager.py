@@ -53,27 +53,48 @@ class KVCacheManager:
         computes at least one token and so yields logits. `seq.num_computed_tokens`
         becomes the returned count.
         """
-        if seq.block_table or seq.num_computed_tokens:
-            raise RuntimeError(
-                f"{seq.request_id}: prefix lookup on a sequence that already holds blocks"
-            )
         if not self.enable_prefix_caching:
+            self.attach(seq, [])
             return 0
         usable = (seq.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(seq, usable)
-        parent = self._root(seq)
+        self.attach(
+            seq,
+            self.cached_blocks(hashes, seq.token_ids(0, usable * self.block_size), seq.cache_salt),
+        )
+        return seq.num_computed_tokens
+
+    def cached_blocks(
+        self, block_hashes: list[BlockHash], token_ids: list[int], cache_salt: str | None
+    ) -> list[int]:
+        """The blocks holding the longest cached run of these leading full blocks (not taken).
+
+        A block counts only if its parent hash and tokens match too (see BlockPool.cached_block).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        parent = root_hash(self.model_id, cache_salt)
         blocks: list[int] = []
-        for i, h in enumerate(hashes):
-            block = self.pool.cached_block(h, parent, self._block_tokens(seq, i))
+        for i, h in enumerate(block_hashes):
+            tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            full = len(tokens) == self.block_size
+            block = self.pool.cached_block(h, parent, tokens) if full else None
             if block is None:
                 break
             blocks.append(block)
             parent = h
+        return blocks
+
+    def attach(self, seq: Sequence, blocks: list[int]) -> None:
+        """Gives `seq`, holding nothing yet, these cached blocks as its leading, computed ones."""
+        if seq.block_table or seq.num_computed_tokens:
+            raise RuntimeError(
+                f"{seq.request_id}: prefix lookup on a sequence that already holds blocks"
+            )
         self.pool.touch(blocks)
-        seq.block_table = blocks
+        seq.block_table = list(blocks)
         seq.num_committed_blocks = len(blocks)
         seq.num_computed_tokens = len(blocks) * self.block_size
-        return seq.num_computed_tokens
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grows `seq`'s block table to hold `num_new_tokens` more; False if the pool is short."""

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from workers.engine import kv_transfer
+from workers.engine.kv_transfer import KVBlocks
 from workers.model.attention import AttentionMetadata, PrefillChunk
 from workers.model.config import ModelConfig
 from workers.model.loader import load_model
@@ -67,6 +69,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
+        self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.model = load_model(model_dir, tp, max_model_len, dtype, self.device)
         num_slots = num_blocks * block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -141,6 +144,17 @@ class ModelRunner:
         )
         rows = [last_row[i] for i, c in enumerate(step.chunks) if c.sample]
         return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])
+
+    def export_blocks(self, block_ids: list[int], start_block: int = 0) -> list[KVBlocks]:
+        """The blocks' K/V, one KVBlocks per rank (here the only one), in host memory:
+        like a TPWorkerGroup's, they leave the process through Ray's object store."""
+        return [kv_transfer.export_blocks(self, block_ids, start_block).cpu()]
+
+    def import_blocks(self, block_ids: list[int], parts: list[KVBlocks]) -> None:
+        """Writes K/V already split to this runner's TP degree (one part) into `block_ids`."""
+        if len(parts) != 1:
+            raise ValueError(f"an unsharded runner imports one KVBlocks, got {len(parts)}")
+        kv_transfer.import_blocks(self, block_ids, parts[0])
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """Cache slots of positions [0, num_tokens)."""

@@ -113,13 +113,20 @@ class Scheduler:
                 budget -= n
         return out
 
-    def finish(self, seq: Sequence) -> None:
-        """Drops a sequence (finished or aborted) and frees its blocks."""
+    def add_running(self, seq: Sequence) -> None:
+        """Takes a sequence whose blocks are filled already (a KV import) straight to running."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
+        """Drops a sequence (finished or aborted) and frees its blocks, unless
+        `keep_blocks`: a KV handoff holds them and frees them later."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        if not keep_blocks:
+            self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:

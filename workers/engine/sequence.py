@@ -34,6 +34,8 @@ class Sequence:
     generator: torch.Generator | None = None
     # Tenant key for prefix caching: only requests with the same salt share blocks.
     cache_salt: str | None = None
+    # Stop after the first token and hold the blocks for a KV handoff.
+    prefill_only: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

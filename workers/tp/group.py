@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.engine.kv_transfer import KVBlocks
 from workers.engine.model_runner import RunnerSpec, StepInput
 from workers.tp.worker import TPWorker
 
@@ -57,6 +58,20 @@ class TPWorkerGroup:
 
     def execute(self, step: StepInput) -> torch.Tensor:
         return self._gather([w.execute.remote(step) for w in self.workers])[0]
+
+    def export_blocks(self, block_ids: list[int], start_block: int = 0) -> list[KVBlocks]:
+        """Every rank's slice of the blocks, in rank order (through Ray's object store)."""
+        return self._gather([w.export_blocks.remote(block_ids, start_block) for w in self.workers])
+
+    def import_blocks(self, block_ids: list[int], parts: list[KVBlocks]) -> None:
+        """Writes each rank's slice (already split to this group's TP degree) into `block_ids`."""
+        if len(parts) != self.tp_size:
+            raise ValueError(
+                f"a TP group of {self.tp_size} imports one part per rank, got {len(parts)}"
+            )
+        self._gather(
+            [w.import_blocks.remote(block_ids, p) for w, p in zip(self.workers, parts, strict=True)]
+        )
 
     def weight_bytes(self) -> list[int]:
         return self._gather([w.weight_bytes.remote() for w in self.workers])

@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from workers.engine import kv_transfer
+from workers.engine.kv_transfer import KVBlocks
 from workers.engine.model_runner import ModelRunner, RunnerSpec, StepInput
 from workers.model.parallel import TPGroup
 
@@ -59,6 +61,13 @@ class TPWorker:
         """Every rank runs the step; only rank 0 returns the (full-vocab) logits."""
         logits = self._runner().execute(step)
         return logits.cpu() if self.rank == 0 else None
+
+    def export_blocks(self, block_ids: list[int], start_block: int) -> KVBlocks:
+        """This rank's slice of the blocks, in host memory for Ray's object store."""
+        return kv_transfer.export_blocks(self._runner(), block_ids, start_block).cpu()
+
+    def import_blocks(self, block_ids: list[int], kv: KVBlocks) -> None:
+        kv_transfer.import_blocks(self._runner(), block_ids, kv)
 
     def weight_bytes(self) -> int:
         """Bytes of model weights this rank holds (all layouts it keeps)."""

@@ -1,0 +1,357 @@
+"""The asyncio face of one `LLMEngine`: what a Ray Serve replica holds.
+
+The engine is not thread-safe, so exactly one background thread touches it. Callers
+never call the engine: they append commands (add, abort) to a queue under a lock,
+and the engine thread runs them between steps. That keeps every engine call on one
+thread without making event-loop code wait for a step to finish, and it keeps the
+order of commands (an abort queued after an add always sees the add).
+
+Outputs travel back to each caller's own event loop with `call_soon_threadsafe`, one
+call per loop per step. torch releases the GIL inside its kernels, so the event loop
+stays responsive while the engine thread computes.
+
+Failure policy: an exception from the engine thread (a bug, or a dead TP rank
+surfacing as RuntimeError) may have left the engine half-updated, so the engine is
+never touched again. Every in-flight and queued request fails with `EngineDeadError`,
+`is_healthy()` turns False so the serving layer's health check replaces the replica,
+and new requests are refused at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import EngineStats, LLMEngine, RequestOutput
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING_REQUESTS = 1024
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting for a slot; retry later (gRPC RESOURCE_EXHAUSTED, HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed or was shut down; this replica can serve nothing more."""
+
+
+@dataclass(eq=False)  # identity semantics: a stream is compared with `is`, never by value
+class _Stream:
+    """One generate() call: where its outputs go and what it has seen so far."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    num_prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Updated on the engine thread only, to describe an abort in its final output.
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Add:
+    stream: _Stream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    # Set: abort only if this exact stream is still live (a consumer walking away must
+    # not abort a later request that reuses its id). None: abort whatever has the id.
+    stream: _Stream | None = None
+    # Set for abort(): resolved with whether anything was aborted.
+    reply: asyncio.Future | None = None
+    reply_loop: asyncio.AbstractEventLoop | None = None
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_pending_requests: int | None = DEFAULT_MAX_PENDING_REQUESTS,
+    ):
+        """Starts the engine thread. `max_pending_requests` bounds the requests accepted but
+        not yet running (None: unbounded); beyond it generate() raises EngineOverloadedError.
+        """
+        if max_pending_requests is not None and max_pending_requests < 1:
+            raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
+        self.engine = engine
+        self.max_pending_requests = max_pending_requests
+        self._cond = threading.Condition()
+        # Everything below is guarded by _cond.
+        self._commands: list[_Add | _Abort] = []
+        self._num_queued_adds = 0  # adds not yet reflected in _stats.num_waiting
+        self._stats = engine.stats()  # safe: the engine thread does not exist yet
+        self._stopping = False
+        self._engine_shut_down = False
+        self._error: EngineDeadError | None = None
+        # Touched by the engine thread only.
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: EngineConfig,
+        *,
+        max_pending_requests: int | None = DEFAULT_MAX_PENDING_REQUESTS,
+        **engine_kwargs,
+    ) -> AsyncEngine:
+        """Builds the LLMEngine (loads the model: blocking) and wraps it."""
+        return cls(LLMEngine(config, **engine_kwargs), max_pending_requests=max_pending_requests)
+
+    # -- caller side (any thread, any event loop) ----------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields this request's outputs as the engine makes them, ending with a finished one.
+
+        Raises before yielding anything if the request is refused: ValueError (invalid, from
+        add_request), EngineOverloadedError, EngineDeadError. Raises EngineDeadError mid-stream
+        if the engine fails. Closing the iterator or cancelling its task aborts the request.
+        A request aborted via abort() or shutdown() ends with finish_reason ABORT.
+        """
+        loop = asyncio.get_running_loop()
+        prompt = list(prompt_token_ids)
+        stream = _Stream(request_id, loop, len(prompt))
+        with self._cond:
+            self._check_alive()
+            limit = self.max_pending_requests
+            if limit is not None and self._stats.num_waiting + self._num_queued_adds >= limit:
+                raise EngineOverloadedError(
+                    f"{limit} requests are already waiting for this engine; retry later"
+                )
+            self._num_queued_adds += 1
+            self._commands.append(_Add(stream, prompt, params, cache_salt))
+            self._cond.notify()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # refused or failed: nothing left in the engine
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # Consumer gone (closed, cancelled, client disconnect): free the blocks.
+                # Queued, not awaited: awaiting is unsafe while being cancelled.
+                self._enqueue_abort(_Abort(request_id, stream=stream))
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts a request by id; True if it was running or waiting. Its generate() ends
+        with a finished output whose finish_reason is ABORT."""
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        if not self._enqueue_abort(_Abort(request_id, reply=reply, reply_loop=loop)):
+            return False
+        return await reply
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its last step or command batch (never blocks on a step)."""
+        with self._cond:
+            return self._stats
+
+    def is_healthy(self) -> bool:
+        with self._cond:
+            return self._error is None and not self._stopping and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        """Aborts every request, stops the engine thread and shuts the engine down. Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        # Joining blocks for up to one step: keep the event loop free meanwhile.
+        await asyncio.to_thread(self._thread.join)
+        with self._cond:  # engine.shutdown() once, however many callers
+            first, self._engine_shut_down = not self._engine_shut_down, True
+        if first:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(str(self._error)) from self._error.__cause__
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+
+    def _enqueue_abort(self, command: _Abort) -> bool:
+        with self._cond:
+            if self._error is not None or self._stopping:
+                return False  # nothing is live any more (or shutdown aborts it)
+            self._commands.append(command)
+            self._cond.notify()
+            return True
+
+    # -- engine thread -------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # The engine's work only changes on this thread, so one look before
+                # sleeping is enough; add/abort/shutdown notify to wake it.
+                idle = not self.engine.has_unfinished()
+                with self._cond:
+                    if idle:
+                        self._cond.wait_for(lambda: self._commands or self._stopping)
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                num_adds = self._execute(commands)
+                if stopping:
+                    self._abort_all()
+                    self._publish_stats(num_adds)
+                    return
+                if self.engine.has_unfinished():
+                    self._dispatch(self.engine.step())
+                self._publish_stats(num_adds)
+        except BaseException as exc:  # anything escaping here leaves the engine unusable
+            logger.exception("engine thread failed; failing every request")
+            self._die(exc)
+
+    def _execute(self, commands: list[_Add | _Abort]) -> int:
+        num_adds = 0
+        for command in commands:
+            if isinstance(command, _Add):
+                num_adds += 1
+                self._add(command)
+            else:
+                self._abort(command)
+        return num_adds
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        try:
+            self.engine.add_request(
+                stream.request_id, command.prompt_token_ids, command.params, command.cache_salt
+            )
+        except Exception as exc:  # refused before any engine state changed: only it fails
+            self._send({stream.loop: [(stream, exc)]})
+            return
+        self._streams[stream.request_id] = stream
+
+    def _abort(self, command: _Abort) -> None:
+        rid = command.request_id
+        live = self._streams.get(rid)
+        aborted = False
+        if command.stream is None or live is command.stream:
+            aborted = self.engine.abort(rid)
+            self._streams.pop(rid, None)
+            if live is not None and command.stream is None:
+                # The consumer is still reading: tell it how its request ended.
+                self._send({live.loop: [(live, _abort_output(live))]})
+        if command.reply is not None and command.reply_loop is not None:
+            _call_soon(command.reply_loop, _resolve, command.reply, aborted)
+
+    def _abort_all(self) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, stream in self._streams.items():
+            self.engine.abort(rid)
+            batches.setdefault(stream.loop, []).append((stream, _abort_output(stream)))
+        self._streams.clear()
+        self._send(batches)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # its consumer left; the abort is queued behind this step
+            stream.num_output_tokens = out.num_output_tokens
+            stream.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(stream.loop, []).append((stream, out))
+        self._send(batches)
+
+    def _send(self, batches: dict[asyncio.AbstractEventLoop, list]) -> None:
+        for loop, items in batches.items():
+            if not _call_soon(loop, _deliver, items):
+                # The consumer's loop is gone: nobody will read these, so stop computing them.
+                for stream, _ in items:
+                    if self._streams.get(stream.request_id) is stream:
+                        del self._streams[stream.request_id]
+                        self.engine.abort(stream.request_id)
+
+    def _publish_stats(self, num_adds: int) -> None:
+        stats = self.engine.stats()
+        with self._cond:
+            self._stats = stats
+            self._num_queued_adds -= num_adds
+
+    def _die(self, exc: BaseException) -> None:
+        error = EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        with self._cond:
+            self._error = error
+            queued, self._commands = self._commands, []
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        streams = list(self._streams.values())
+        streams += [c.stream for c in queued if isinstance(c, _Add)]
+        for stream in streams:
+            batches.setdefault(stream.loop, []).append((stream, _dead_error(error)))
+        self._streams.clear()
+        for command in queued:
+            if isinstance(command, _Abort) and command.reply is not None and command.reply_loop:
+                _call_soon(command.reply_loop, _resolve, command.reply, False)
+        # Only delivers: _send's fallback would call into the broken engine.
+        for loop, items in batches.items():
+            _call_soon(loop, _deliver, items)
+
+
+def _abort_output(stream: _Stream) -> RequestOutput:
+    return RequestOutput(
+        stream.request_id,
+        [],
+        "",
+        finished=True,
+        finish_reason=FinishReason.ABORT,
+        num_prompt_tokens=stream.num_prompt_tokens,
+        num_output_tokens=stream.num_output_tokens,
+        num_cached_tokens=stream.num_cached_tokens,
+    )
+
+
+def _dead_error(error: EngineDeadError) -> EngineDeadError:
+    # One exception object per consumer: raising a shared one from several tasks would
+    # interleave their tracebacks on it.
+    copy = EngineDeadError(*error.args)
+    copy.__cause__ = error.__cause__
+    return copy
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed
+        return False
+    return True
+
+
+def _deliver(items: list[tuple[_Stream, object]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _resolve(future: asyncio.Future, value: object) -> None:
+    if not future.done():  # the awaiting task may have been cancelled
+        future.set_result(value)

@@ -1,0 +1,217 @@
+"""The data of a prefill -> decode KV handoff, and the tensor functions that move it.
+
+A prefill engine holds a request's blocks after its first token and describes
+them with a small `KVHandle`; each of its TP ranks exports its slice of those
+blocks as one `KVBlocks`. A decode engine re-splits the slices to its own TP
+degree (`resplit`) and imports them into blocks of its own. Everything here is
+plain, picklable data; how the tensors travel (object store, Ray's tensor
+transport) is the transport layer's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from workers.engine.block_hash import BlockHash
+from workers.engine.sampling_params import TokenLogprob
+from workers.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two engines must agree on before one can read the other's blocks."""
+
+    num_layers: int
+    num_kv_heads: int  # all ranks together
+    head_dim: int
+    block_size: int
+
+    @classmethod
+    def of(cls, model: ModelConfig, block_size: int) -> KVLayout:
+        return cls(model.num_hidden_layers, model.num_key_value_heads, model.head_dim, block_size)
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """One TP rank's slice of some consecutive blocks of one request.
+
+    `data` is `[num_layers, 2 (k, v), kv_heads_local, num_blocks, block_size, head_dim]`:
+    one buffer, so it crosses a process boundary as a single tensor; blocks sit
+    where a layer's cache `[kv_heads, num_slots, head_dim]` viewed as
+    `[kv_heads, num_blocks, block_size, head_dim]` has them, so export and
+    import are one index_select / index_copy_ per layer and tensor; and heads
+    come before blocks, so re-splitting heads between TP degrees cuts large
+    contiguous runs.
+    """
+
+    data: torch.Tensor
+    tp_rank: int
+    tp_size: int
+    # Index of data's first block among the request's blocks (blocks before it
+    # were skipped because the importer already holds them).
+    start_block: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[3]
+
+    @property
+    def end_block(self) -> int:
+        return self.start_block + self.num_blocks
+
+    def cpu(self) -> KVBlocks:
+        """In host memory, as Ray's object store carries it."""
+        return replace(self, data=self.data.cpu())
+
+    def tail(self, from_block: int) -> KVBlocks:
+        """The blocks from request block index `from_block` on."""
+        if not self.start_block <= from_block <= self.end_block:
+            raise ValueError(
+                f"from_block={from_block} is outside these blocks "
+                f"[{self.start_block}, {self.end_block})"
+            )
+        drop = from_block - self.start_block
+        if not drop:
+            return self
+        # A copy, not a view: a pickled view would carry the dropped blocks along.
+        return replace(self, data=self.data[:, :, :, drop:].contiguous(), start_block=from_block)
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """What a prefill engine hands a decode engine: small, picklable, no tensors.
+
+    `block_hashes` are the prompt's full blocks' hashes (a trailing partial block
+    is exported too but has none); the exported blocks cover `num_tokens` prompt
+    tokens. The first sampled token's own K/V is not in them: decode computes it
+    with its first step.
+    """
+
+    request_id: str
+    model_id: str
+    layout: KVLayout
+    tp_size: int  # the prefill engine's TP degree: one KVBlocks per rank
+    num_tokens: int
+    block_hashes: tuple[BlockHash, ...]
+    first_token: int
+    first_logprob: TokenLogprob | None = None
+    # A seeded request's generator after drawing the first token, so decode
+    # continues the same random stream a single engine would have.
+    generator_state: bytes | None = None
+    # Prompt tokens the prefill engine found in its prefix cache, so decode's outputs
+    # report the request's usage, not decode's own reuse.
+    num_cached_tokens: int = 0
+    # Per-rank references to the KVBlocks, in rank order. Opaque here: a
+    # transport fills them (object refs, tensor-transport handles); in-process
+    # callers may put the KVBlocks themselves.
+    kv_refs: tuple[Any, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks that hold the prompt's K/V (full ones and a trailing partial one)."""
+        return -(-self.num_tokens // self.layout.block_size)
+
+
+class StalePrefixError(ValueError):
+    """The importer no longer holds the leading blocks the export skipped (evicted
+    meanwhile); export again with `skip_blocks=num_cached_blocks`."""
+
+    def __init__(self, message: str, num_cached_blocks: int):
+        super().__init__(message)
+        self.num_cached_blocks = num_cached_blocks
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keeps the extra field when Ray ships the exception between processes.
+        return (type(self), (str(self), self.num_cached_blocks))
+
+
+class KVCacheHolder(Protocol):
+    """What export and import need of a runner (ModelRunner has it)."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_size: int
+    tp_rank: int
+    tp_size: int
+
+
+def _blocked(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    heads, slots, dim = cache.shape
+    return cache.view(heads, slots // block_size, block_size, dim)
+
+
+def export_blocks(
+    runner: KVCacheHolder, block_ids: Sequence[int], start_block: int = 0
+) -> KVBlocks:
+    """Copies blocks `block_ids` of every layer out of `runner`'s cache (on its device)."""
+    first_k = runner.kv_caches[0][0]
+    heads, _, dim = first_k.shape
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=first_k.device)
+    shape = (len(runner.kv_caches), 2, heads, len(ids), runner.block_size, dim)
+    out = torch.empty(shape, dtype=first_k.dtype, device=first_k.device)
+    for layer, caches in enumerate(runner.kv_caches):
+        for kv, cache in enumerate(caches):
+            torch.index_select(_blocked(cache, runner.block_size), 1, ids, out=out[layer, kv])
+    return KVBlocks(out, runner.tp_rank, runner.tp_size, start_block)
+
+
+def import_blocks(runner: KVCacheHolder, block_ids: Sequence[int], kv: KVBlocks) -> None:
+    """Writes `kv` into blocks `block_ids` of `runner`'s cache, converting device and dtype."""
+    if (kv.tp_rank, kv.tp_size) != (runner.tp_rank, runner.tp_size):
+        raise ValueError(
+            f"KV of TP rank {kv.tp_rank} of {kv.tp_size} cannot go to rank "
+            f"{runner.tp_rank} of {runner.tp_size}; resplit it first"
+        )
+    first_k = runner.kv_caches[0][0]
+    heads, _, dim = first_k.shape
+    expected = (len(runner.kv_caches), 2, heads, len(block_ids), runner.block_size, dim)
+    if tuple(kv.data.shape) != expected:
+        raise ValueError(
+            f"KV data of shape {tuple(kv.data.shape)} does not fit this rank's cache: "
+            f"expected {expected} (layers, k/v, kv heads, blocks, block size, head dim)"
+        )
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=first_k.device)
+    data = kv.data.to(device=first_k.device, dtype=first_k.dtype)
+    for layer, caches in enumerate(runner.kv_caches):
+        for i, cache in enumerate(caches):
+            _blocked(cache, runner.block_size).index_copy_(1, ids, data[layer, i])
+
+
+def resplit(parts: Sequence[KVBlocks], dst_tp: int) -> list[KVBlocks]:
+    """Re-splits the KV heads of one export (all source ranks, in rank order) over
+    `dst_tp` ranks.
+
+    Ranks own contiguous, equal runs of KV heads (rank r holds heads
+    [r * H / tp, (r + 1) * H / tp)), so the full set is the ranks' slices
+    concatenated in rank order, and each destination rank takes its run of that.
+    """
+    if not parts:
+        raise ValueError("parts must hold one KVBlocks per source TP rank, got none")
+    src_tp = len(parts)
+    ranks = [(p.tp_rank, p.tp_size) for p in parts]
+    if ranks != [(r, src_tp) for r in range(src_tp)]:
+        raise ValueError(
+            f"parts must be ranks 0..{src_tp - 1} of a TP degree of {src_tp}, in order; "
+            f"got (rank, size) {ranks}"
+        )
+    first = parts[0]
+    for p in parts[1:]:
+        if p.data.shape != first.data.shape or p.start_block != first.start_block:
+            raise ValueError(
+                f"rank {p.tp_rank}'s KV (shape {tuple(p.data.shape)}, start_block "
+                f"{p.start_block}) does not match rank 0's ({tuple(first.data.shape)}, "
+                f"{first.start_block})"
+            )
+    if dst_tp == src_tp:
+        return list(parts)
+    heads = first.data.shape[2] * src_tp
+    if dst_tp < 1 or heads % dst_tp:
+        raise ValueError(f"dst_tp={dst_tp} must be >= 1 and divide the {heads} KV heads")
+    full = first.data if src_tp == 1 else torch.cat([p.data for p in parts], dim=2)
+    return [
+        KVBlocks(chunk.contiguous(), rank, dst_tp, first.start_block)
+        for rank, chunk in enumerate(torch.split(full, heads // dst_tp, dim=2))
+    ]
