@@ -83,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     args = _build_parser().parse_args(argv)
+    from workers.model.default_model import ModelFetchError
+
     try:
         if args.command == "generate":
             return _generate(args)
-    except ValueError as e:
+    except (ValueError, ModelFetchError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
     return 1

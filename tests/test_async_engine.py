@@ -12,8 +12,7 @@ import time
 from contextlib import aclosing
 
 import pytest
-import torch
-from tiny_model import make_tiny_model
+from tiny_model import make_tiny_model, random_prompts
 
 from workers.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from workers.engine.config import EngineConfig
@@ -35,12 +34,6 @@ def _engine(model_dir, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), **{"num_kv_blocks": 256, **overrides}))
 
 
-def _prompts(n: int, seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 90, (n,), generator=g).tolist()
-    return [torch.randint(3, 320, (n_,), generator=g).tolist() for n_ in lengths]
-
-
 async def _collect(engine: AsyncEngine, rid: str, prompt, params=GREEDY):
     return [out async for out in engine.generate(rid, prompt, params)]
 
@@ -59,7 +52,7 @@ def _all_blocks_free(engine: AsyncEngine) -> bool:
 
 
 def test_concurrent_generate_matches_the_sync_engine(model_dir):
-    prompts = _prompts(16)
+    prompts = random_prompts(16)
     expected = [s.output_token_ids for s in _engine(model_dir).generate(prompts, GREEDY)]
 
     async def main():
@@ -102,7 +95,7 @@ def test_streamed_text_concatenates_to_the_full_text(model_dir):
 
 
 def test_cancelling_a_consumer_aborts_its_request_and_frees_blocks(model_dir):
-    prompt = _prompts(1)[0]
+    prompt = random_prompts(1)[0]
 
     async def main():
         engine = AsyncEngine(_engine(model_dir))
@@ -142,7 +135,7 @@ def test_cancelling_a_consumer_aborts_its_request_and_frees_blocks(model_dir):
 
 
 def test_abort_by_id_ends_the_stream_with_an_abort_output(model_dir):
-    prompt = _prompts(1)[0]
+    prompt = random_prompts(1)[0]
 
     async def main():
         engine = AsyncEngine(_engine(model_dir))
@@ -169,7 +162,7 @@ async def _drain(stream):
 
 
 def test_invalid_request_raises_before_any_output_and_the_engine_keeps_serving(model_dir):
-    prompt = _prompts(1)[0]
+    prompt = random_prompts(1)[0]
 
     async def main():
         engine = AsyncEngine(_engine(model_dir))
@@ -218,7 +211,7 @@ def _gate_steps(llm: LLMEngine) -> tuple[threading.Event, threading.Event]:
 
 
 def test_overload_raises_engine_overloaded_error(model_dir):
-    prompts = _prompts(4)
+    prompts = random_prompts(4)
     llm = _engine(model_dir)
 
     async def main():
@@ -248,7 +241,7 @@ def test_overload_raises_engine_overloaded_error(model_dir):
 
 
 def test_step_failure_fails_every_request_and_marks_the_engine_dead(model_dir):
-    prompts = _prompts(4)
+    prompts = random_prompts(4)
     llm = _engine(model_dir)
     real_step, calls = llm.step, []
 
@@ -287,7 +280,7 @@ def test_step_failure_fails_every_request_and_marks_the_engine_dead(model_dir):
 
 
 def test_shutdown_aborts_in_flight_requests_and_joins_the_thread(model_dir):
-    prompt = _prompts(1)[0]
+    prompt = random_prompts(1)[0]
     llm = _engine(model_dir)
     shut_down = []
     llm.shutdown = lambda: shut_down.append(True)
@@ -311,7 +304,7 @@ def test_shutdown_aborts_in_flight_requests_and_joins_the_thread(model_dir):
 
 
 def test_idle_engine_thread_sleeps_and_wakes_on_a_request(model_dir):
-    prompt = _prompts(1)[0]
+    prompt = random_prompts(1)[0]
     llm = _engine(model_dir)
     real_has_unfinished, polls = llm.has_unfinished, []
 

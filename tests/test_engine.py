@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_model import make_tiny_model
+from tiny_model import make_tiny_model, random_prompts
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
@@ -23,12 +23,6 @@ def _engine(model_dir, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), **{"num_kv_blocks": 256, **overrides}))
 
 
-def _prompts(n: int, seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 90, (n,), generator=g).tolist()
-    return [torch.randint(3, 320, (n_,), generator=g).tolist() for n_ in lengths]
-
-
 def _outputs(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
     return [s.output_token_ids for s in engine.generate(prompts, params)]
 
@@ -38,7 +32,7 @@ def test_greedy_matches_transformers_generate(model_dir):
 
     reference = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = _engine(model_dir)
-    for prompt in _prompts(4):
+    for prompt in random_prompts(4):
         expected = reference.generate(
             torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None
         )[0, len(prompt) :].tolist()
@@ -46,7 +40,7 @@ def test_greedy_matches_transformers_generate(model_dir):
 
 
 def test_batch_and_chunked_prefill_give_the_same_tokens(model_dir):
-    prompts = _prompts(16)
+    prompts = random_prompts(16)
     alone = [_outputs(_engine(model_dir), [p])[0] for p in prompts]
     batched = _engine(model_dir)
     assert _outputs(batched, prompts) == alone
@@ -57,7 +51,7 @@ def test_batch_and_chunked_prefill_give_the_same_tokens(model_dir):
 
 
 def test_preemption_completes_everything_with_the_same_tokens(model_dir):
-    prompts = _prompts(8)
+    prompts = random_prompts(8)
     alone = [_outputs(_engine(model_dir), [p])[0] for p in prompts]
     # 8 blocks of 16 hold at most ~128 tokens: a few sequences at a time.
     small = _engine(model_dir, num_kv_blocks=8)
@@ -81,7 +75,7 @@ def test_streamed_text_equals_decoded_tokens(model_dir):
 
 def test_abort_frees_blocks_and_others_finish(model_dir):
     engine = _engine(model_dir)
-    for i, p in enumerate(_prompts(3)):
+    for i, p in enumerate(random_prompts(3)):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
@@ -97,7 +91,7 @@ def test_abort_frees_blocks_and_others_finish(model_dir):
 
 def test_finish_reasons(model_dir):
     engine = _engine(model_dir)
-    prompt = _prompts(1)[0]
+    prompt = random_prompts(1)[0]
     free_run = _outputs(engine, [prompt])[0]
     stop_token = free_run[5]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -111,7 +105,7 @@ def test_finish_reasons(model_dir):
 
 
 def test_eos_stops_unless_ignored(model_dir, tmp_path):
-    prompt = _prompts(1)[0]
+    prompt = random_prompts(1)[0]
     free_run = _outputs(_engine(model_dir), [prompt])[0]
     # The same weights, with the token the model emits at step 6 declared as EOS.
     eos = free_run[5]
@@ -135,7 +129,7 @@ def test_stop_string_truncates_text(model_dir):
 def test_logprobs_are_returned_per_token(model_dir):
     engine = _engine(model_dir)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3)
-    seq = engine.generate(_prompts(1), params)[0]
+    seq = engine.generate(random_prompts(1), params)[0]
     assert [lp.token_id for lp in seq.output_logprobs] == seq.output_token_ids
     for lp in seq.output_logprobs:
         assert len(lp.top) == 3
@@ -144,7 +138,7 @@ def test_logprobs_are_returned_per_token(model_dir):
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(model_dir):
-    prompts = _prompts(4)
+    prompts = random_prompts(4)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = _outputs(_engine(model_dir), [prompts[0]], seeded)[0]
     others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
@@ -188,7 +182,7 @@ def test_request_larger_than_the_kv_cache_is_refused(model_dir):
 
 def test_stats_track_requests_and_blocks(model_dir):
     engine = _engine(model_dir)
-    for i, p in enumerate(_prompts(3)):
+    for i, p in enumerate(random_prompts(3)):
         engine.add_request(f"r{i}", p, GREEDY)
     assert engine.stats().num_waiting == 3
     engine.step()

@@ -364,6 +364,34 @@ def test_an_import_waits_for_free_blocks(model_dir):
     _assert_all_free(prefill, decode)
 
 
+def test_a_waiting_import_that_fits_is_not_blocked_by_an_older_one(model_dir):
+    prefill, cold = _engine(model_dir), _engine(model_dir)
+    decode = _engine(model_dir, num_kv_blocks=8)
+    shared = _tokens(2 * BLOCK, seed=80)
+    _single(decode, [*shared, 5])  # decode now caches the two shared blocks
+    busy = _tokens(2 * BLOCK + 1, seed=83)
+    decode.add_request("busy", busy, SamplingParams(max_tokens=8, temperature=0.0))
+    decode.step()  # "busy" holds 3 blocks, so "big" must wait
+    big = _tokens(6 * BLOCK + 1, seed=81)  # 7 blocks: more than "small" ever leaves free
+    small = shared + _tokens(BLOCK + 1, seed=82)  # pins the 2 cached blocks, needs 2 more
+    for rid, prompt in (("big", big), ("small", small)):
+        first = _prefill(prefill, rid, prompt)
+        skip = decode.cached_prefix_blocks(list(first.handoff.block_hashes), prompt)
+        handle, parts = prefill.export_kv(rid, skip_blocks=skip)
+        decode.add_prefilled_request(rid, prompt, GREEDY, handle, parts)
+        prefill.release_handoff(rid)
+    assert decode.stats().imports_waiting >= 1
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(200):  # strict FIFO would never admit either: a livelock, not an error
+        if not decode.has_unfinished():
+            break
+        for out in decode.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert _tokens_of(outputs["small"]) == _tokens_of(_single(cold, small))
+    assert _tokens_of(outputs["big"]) == _tokens_of(_single(cold, big))
+    _assert_all_free(prefill, decode)
+
+
 def test_mismatched_handoffs_are_refused(model_dir, tmp_path):
     prefill = _engine(model_dir)
     prompt = _tokens(2 * BLOCK + 5, seed=70)

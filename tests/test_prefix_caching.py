@@ -332,3 +332,15 @@ def test_smollm2_cache_hits_generate_the_same_tokens_as_a_cold_cache(smollm2_dir
     stats = engine.stats()
     assert stats.prefix_cache_hits >= 2 * (shared // BLOCK) * BLOCK
     _assert_all_free(engine)
+
+
+def test_a_failing_event_callback_does_not_break_generation(model_dir):
+    def broken(stored, evicted):
+        raise ConnectionError("registry unreachable")
+
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=64)
+    engine = LLMEngine(config, on_kv_events=broken)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (seq,) = engine.generate([_tokens(40, seed=9)], params)
+    assert len(seq.output_token_ids) == 8
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks

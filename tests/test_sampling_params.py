@@ -131,3 +131,20 @@ def test_check_against_rejects_stop_token_ids_outside_the_vocab(bad):
 def test_check_against_accepts_ids_inside_the_vocab():
     SamplingParams(stop_token_ids=[0, 99]).check_against(100)
     SamplingParams().check_against(1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": "0.5"}, "temperature"),
+        ({"top_p": None}, "top_p"),
+        ({"stop_token_ids": None}, "stop_token_ids"),
+        ({"stop": 5}, "stop"),
+        ({"max_tokens": True}, "max_tokens"),
+    ],
+)
+def test_wrong_types_are_value_errors_naming_the_field(kwargs, field):
+    # The serving layer maps ValueError to INVALID_ARGUMENT / HTTP 400; a TypeError
+    # would surface as an internal error.
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

@@ -78,3 +78,7 @@ def test_a_dead_rank_fails_the_step_loudly(ray_cluster, tmp_path):
     ray.kill(group.workers[1])
     with pytest.raises(RuntimeError, match="TP rank 1 of 2 failed"):
         group.execute(_steps()[0])
+    # The group stays failed: later calls say so instead of hanging or misbehaving.
+    with pytest.raises(RuntimeError, match="TP rank 1 of 2 failed"):
+        group.execute(_steps()[0])
+    group.shutdown()  # idempotent

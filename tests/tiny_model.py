@@ -78,3 +78,10 @@ def make_tiny_model(
         json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"})
     )
     return out_dir
+
+
+def random_prompts(n: int, seed: int = 1, vocab_size: int = 320) -> list[list[int]]:
+    """`n` prompts of 1-89 random non-special tokens, the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 90, (n,), generator=g).tolist()
+    return [torch.randint(len(SPECIALS), vocab_size, (k,), generator=g).tolist() for k in lengths]

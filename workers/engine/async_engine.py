@@ -92,6 +92,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         # Everything below is guarded by _cond.
         self._commands: list[_Add | _Abort] = []
+        self._commands_running: list[_Add | _Abort] = []
         self._num_queued_adds = 0  # adds not yet reflected in _stats.num_waiting
         self._stats = engine.stats()  # safe: the engine thread does not exist yet
         self._stopping = False
@@ -215,8 +216,12 @@ class AsyncEngine:
                     if idle:
                         self._cond.wait_for(lambda: self._commands or self._stopping)
                     commands, self._commands = self._commands, []
+                    # Kept until run: if running them fails midway, _die must still
+                    # answer the ones after the failure.
+                    self._commands_running = commands
                     stopping = self._stopping
                 num_adds = self._execute(commands)
+                self._commands_running = []
                 if stopping:
                     self._abort_all()
                     self._publish_stats(num_adds)
@@ -303,11 +308,13 @@ class AsyncEngine:
         error.__cause__ = exc
         with self._cond:
             self._error = error
-            queued, self._commands = self._commands, []
+            queued, self._commands = self._commands_running + self._commands, []
+            self._commands_running = []
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        streams = list(self._streams.values())
-        streams += [c.stream for c in queued if isinstance(c, _Add)]
-        for stream in streams:
+        # An add that already ran is both live and in the failed batch: fail it once.
+        streams = {id(s): s for s in self._streams.values()}
+        streams.update({id(c.stream): c.stream for c in queued if isinstance(c, _Add)})
+        for stream in streams.values():
             batches.setdefault(stream.loop, []).append((stream, _dead_error(error)))
         self._streams.clear()
         for command in queued:

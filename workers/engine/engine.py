@@ -240,8 +240,6 @@ class LLMEngine:
         if not scheduled:
             self.kv.flush_events()
             return outputs
-        # Decodes (one new token) first: the runner batches their attention.
-        scheduled.sort(key=lambda s: s.num_new_tokens > 1)
         sampling = [s.seq for s in scheduled if s.samples]
         logits = self.runner.execute(StepInput([self._chunk(s) for s in scheduled]))
         for s in scheduled:

@@ -138,7 +138,7 @@ class HeldHandoffs:
             self.num_expired += 1
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pending:
     seq: Sequence
     handle: KVHandle
@@ -203,15 +203,20 @@ class KVImports:
         self.pending.append(_Pending(seq, handle, needed))
 
     def admit(self, max_running: int) -> list[tuple[Sequence, KVHandle]]:
-        """Imports queued handoffs, oldest first, while blocks and sequence slots last;
-        returns the sequences now running, each still to be given its first token."""
+        """Imports queued handoffs that fit, oldest first, while sequence slots last;
+        returns the sequences now running, each still to be given its first token.
+
+        First fit, not strict FIFO: a waiting import pins its reused blocks, so an
+        older import that cannot fit must not block a younger one that can (the
+        younger one finishing is what frees room for the older)."""
         admitted = []
-        while self.pending and len(self.scheduler.running) < max_running:
-            p = self.pending[0]
+        for p in list(self.pending):
+            if len(self.scheduler.running) >= max_running:
+                break
             held = len(p.seq.block_table)
             if not self.kv.allocate(p.seq, p.handle.num_tokens - p.seq.num_computed_tokens):
-                break
-            self.pending.popleft()
+                continue
+            self.pending.remove(p)
             new_blocks = p.seq.block_table[held:]
             if new_blocks:
                 self.runner.import_blocks(new_blocks, p.parts)
@@ -242,7 +247,12 @@ class KVImports:
         if mismatches:
             name, got, want = mismatches[0]
             raise ValueError(f"handle.{name} is {got!r} but this engine and prompt need {want!r}")
-        if not 0 <= handle.first_token < self.vocab_size:
+        first = handle.first_token
+        if (
+            isinstance(first, bool)
+            or not isinstance(first, int)
+            or not 0 <= first < self.vocab_size
+        ):
             raise ValueError(
                 f"handle.first_token must be in [0, {self.vocab_size}), got {handle.first_token}"
             )

@@ -9,11 +9,14 @@ blocks and writes its own K/V into blocks after them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from workers.engine.block_hash import BlockHash, hash_block, root_hash
 from workers.engine.block_pool import BlockPool
 from workers.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 # Called with (stored, evicted) block hashes, once per batch of changes.
 KVEventCallback = Callable[[list[BlockHash], list[BlockHash]], None]
@@ -139,7 +142,12 @@ class KVCacheManager:
         """Hands the changes to the cached set since the last flush to `on_events`."""
         stored, evicted = self.pool.take_events()
         if self.on_events is not None and (stored or evicted):
-            self.on_events(stored, evicted)
+            try:
+                self.on_events(stored, evicted)
+            except Exception:
+                # The registry is advisory: a lost batch costs a recompute later,
+                # a raised one would fail every request in this step.
+                log.exception("dropped a KV event batch: the on_events callback failed")
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """Hashes of `seq`'s first `num_blocks` full blocks, computed once and kept on `seq`."""

@@ -31,7 +31,8 @@ class SeqChunk:
 
 @dataclass
 class StepInput:
-    # Single-token chunks (decodes) first, then multi-token prefill chunks.
+    # Any order: the runner batches single-token chunks (decodes) itself and
+    # returns logits in chunk order.
     chunks: list[SeqChunk] = field(default_factory=list)
 
 
@@ -143,7 +144,9 @@ class ModelRunner:
             meta,
         )
         rows = [last_row[i] for i, c in enumerate(step.chunks) if c.sample]
-        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        # The sampler runs on the host with host generators, as for a TP group's logits.
+        return self.model.compute_logits(hidden[rows_t]).float().cpu()
 
     def export_blocks(self, block_ids: list[int], start_block: int = 0) -> list[KVBlocks]:
         """The blocks' K/V, one KVBlocks per rank (here the only one), in host memory:

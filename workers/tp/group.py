@@ -24,7 +24,7 @@ class TPWorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            # A lone engine (baton generate --tp N) gets a private local Ray.
+            # An engine built outside a Ray cluster gets a private local one.
             ray.init(include_dashboard=False, log_to_driver=False)
         self._ray = ray
         self._remove_pg = remove_placement_group
@@ -53,15 +53,20 @@ class TPWorkerGroup:
             ).remote(rank, tp_size, num_threads_per_rank)
             for rank in range(tp_size)
         ]
-        address, port = ray.get(self.workers[0].rendezvous_address.remote())
-        self._gather([w.start.remote(address, port, spec) for w in self.workers])
+        self._failure: str | None = None
+        try:
+            address, port = ray.get(self.workers[0].rendezvous_address.remote())
+            self._gather([w.start.remote(address, port, spec) for w in self.workers])
+        except BaseException:
+            self.shutdown()
+            raise
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        return self._gather([w.execute.remote(step) for w in self.workers])[0]
+        return self._gather([w.execute.remote(step) for w in self._ranks()])[0]
 
     def export_blocks(self, block_ids: list[int], start_block: int = 0) -> list[KVBlocks]:
         """Every rank's slice of the blocks, in rank order (through Ray's object store)."""
-        return self._gather([w.export_blocks.remote(block_ids, start_block) for w in self.workers])
+        return self._gather([w.export_blocks.remote(block_ids, start_block) for w in self._ranks()])
 
     def import_blocks(self, block_ids: list[int], parts: list[KVBlocks]) -> None:
         """Writes each rank's slice (already split to this group's TP degree) into `block_ids`."""
@@ -70,20 +75,33 @@ class TPWorkerGroup:
                 f"a TP group of {self.tp_size} imports one part per rank, got {len(parts)}"
             )
         self._gather(
-            [w.import_blocks.remote(block_ids, p) for w, p in zip(self.workers, parts, strict=True)]
+            [
+                w.import_blocks.remote(block_ids, p)
+                for w, p in zip(self._ranks(), parts, strict=True)
+            ]
         )
 
     def weight_bytes(self) -> list[int]:
-        return self._gather([w.weight_bytes.remote() for w in self.workers])
+        return self._gather([w.weight_bytes.remote() for w in self._ranks()])
 
     def time_all_reduce(self, numel: int, iters: int = 50) -> float:
-        return max(self._gather([w.time_all_reduce.remote(numel, iters) for w in self.workers]))
+        return max(self._gather([w.time_all_reduce.remote(numel, iters) for w in self._ranks()]))
 
     def shutdown(self) -> None:
+        """Kills the ranks and frees their placement group; safe to call twice."""
+        if self.placement_group is None:
+            return
         for w in self.workers:
             self._ray.kill(w)
         self._remove_pg(self.placement_group)
+        self.placement_group = None
         self.workers = []
+        self._failure = self._failure or "the worker group was shut down"
+
+    def _ranks(self) -> list:
+        if self._failure is not None:
+            raise RuntimeError(f"TP worker group unusable: {self._failure}")
+        return self.workers
 
     def _gather(self, refs: list) -> list:
         """Results of one call on every rank, failing fast when any rank fails.
@@ -101,9 +119,10 @@ class TPWorkerGroup:
                 ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 rank = rank_of[done[0]]
+                self._failure = f"TP rank {rank} of {self.tp_size} failed"
                 self.shutdown()
                 raise RuntimeError(
-                    f"TP rank {rank} of {self.tp_size} failed; the worker group is shut "
-                    f"down and the engine must be restarted: {e}"
+                    f"{self._failure}; the worker group is shut down and the engine "
+                    f"must be restarted: {e}"
                 ) from e
         return ray.get(refs)

@@ -17,7 +17,7 @@ from workers.engine.model_runner import ModelRunner, RunnerSpec, StepInput
 from workers.model.parallel import TPGroup
 
 # A rank stuck in a collective because a peer died gives up after this long;
-# the group notices the dead peer much sooner (see TPWorkerGroup.execute).
+# the group notices the dead peer much sooner (see TPWorkerGroup._gather).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
