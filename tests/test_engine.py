@@ -200,3 +200,11 @@ def test_tp_degree_must_divide_the_heads(model_dir):
     # The tiny model has 4 query heads and 2 KV heads: 1 and 2 divide both.
     with pytest.raises(ValueError, match=r"valid degrees: \[1, 2\]"):
         _engine(model_dir, tensor_parallel_size=3)
+
+
+def test_generate_adds_all_prompts_or_none(model_dir):
+    engine = _engine(model_dir)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate([[5, 6, 7], []], GREEDY)
+    assert not engine.has_unfinished()
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks

@@ -68,3 +68,25 @@ def test_folder_without_safetensors_is_refused(tmp_path):
     (model_dir / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="safetensors"):
         load_model(model_dir)
+
+
+def test_a_missing_part_of_a_packed_layer_is_reported(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_tiny_model(tmp_path)
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.weight"]  # q and v are still there
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="qkv_proj"):
+        load_model(model_dir)
+
+
+def test_model_identity_tells_same_named_checkpoints_apart(tmp_path):
+    from workers.model.loader import model_identity
+
+    a = make_tiny_model(tmp_path / "a" / "same-name", seed=0)
+    b = make_tiny_model(tmp_path / "b" / "same-name", seed=1)
+    a_again = make_tiny_model(tmp_path / "c" / "same-name", seed=0)
+    assert model_identity(a).startswith("same-name-")
+    assert model_identity(a) != model_identity(b)
+    assert model_identity(a) == model_identity(a_again)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -32,7 +31,8 @@ class EngineConfig:
     # Reuse the K/V of prompt blocks computed before (same model, same cache salt).
     enable_prefix_caching: bool = True
     # The model's identity in block hashes; every process that must agree on them
-    # (router, replicas) names it alike. None: the model folder's name.
+    # (router, replicas) names it alike. None: derived from the folder's name and
+    # contents (workers.model.loader.model_identity), the same on every node.
     model_id: str | None = None
     # A prefill-only request's blocks are held this long for a decode engine to
     # import them (unless released sooner), so an abandoned handoff never strands them.
@@ -56,7 +56,9 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.model_id is not None and not self.model_id:
-            raise ValueError("model_id must be a non-empty name, or None for the folder's name")
+            raise ValueError(
+                "model_id must be a non-empty name, or None to derive it from the files"
+            )
         if not self.handoff_timeout_s > 0:  # also rejects NaN
             raise ValueError(f"handoff_timeout_s must be > 0, got {self.handoff_timeout_s!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
@@ -68,7 +70,9 @@ class EngineConfig:
         return self.device
 
     def resolved_model_id(self) -> str:
-        return self.model_id or Path(self.model).resolve().name
+        from workers.model.loader import model_identity
+
+        return self.model_id or model_identity(self.model)
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

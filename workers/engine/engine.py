@@ -359,9 +359,14 @@ class LLMEngine:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{self._num_steps}-{i}" for i in range(len(prompts))]
         seqs = []
-        for rid, prompt, p in zip(ids, prompts, per_prompt, strict=True):
-            self.add_request(rid, prompt, p)
-            seqs.append(self._requests[rid])
+        try:
+            for rid, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+                self.add_request(rid, prompt, p)
+                seqs.append(self._requests[rid])
+        except ValueError:
+            for seq in seqs:  # all or nothing: no half of the batch left queued
+                self.abort(seq.request_id)
+            raise
         while self.has_unfinished():
             self.step()
         return seqs

@@ -160,9 +160,7 @@ def _build_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "torch_dtype": "float32",
     }
-    scaling = _rope_scaling(meta)
-    if scaling is not None:
-        config["rope_scaling"] = scaling
+    _refuse_rope_scaling(meta)
     for name in ("bos", "eos", "padding"):
         token_id = meta.get(f"tokenizer.ggml.{name}_token_id", None)
         if token_id is not None:
@@ -170,20 +168,16 @@ def _build_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
     return config
 
 
-def _rope_scaling(meta: _Metadata) -> dict[str, Any] | None:
+def _refuse_rope_scaling(meta: _Metadata) -> None:
+    # GGUF carries linear and YaRN scaling as metadata; the model implements only
+    # Llama 3 scaling (which GGUF stores as a rope_freqs tensor, refused as well),
+    # so converting these would produce a folder that then fails every load.
     kind = meta.arch_get("rope.scaling.type", None)
-    if kind in (None, "none"):
-        return None
-    if kind not in ("linear", "yarn"):
-        raise ValueError(f"unsupported rope scaling type {kind!r}")
-    scaling: dict[str, Any] = {
-        "rope_type": kind,
-        "factor": float(meta.arch_get("rope.scaling.factor")),
-    }
-    original = meta.arch_get("rope.scaling.original_context_length", None)
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
+    if kind not in (None, "none"):
+        raise ValueError(
+            f"rope scaling type {kind!r} is not supported; Baton runs unscaled and "
+            "Llama 3-scaled RoPE only"
+        )
 
 
 def _check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:

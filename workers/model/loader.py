@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -10,7 +11,12 @@ from safetensors import safe_open
 
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaForCausalLM
-from workers.model.parallel import TPGroup
+from workers.model.parallel import TPGroup, copy_weight
+
+# Packed layer -> the checkpoint parts it is built from.
+_PACKED_SHARDS: dict[str, set[str]] = {}
+for _layer, _shard in LlamaForCausalLM.packed_modules.values():
+    _PACKED_SHARDS.setdefault(_layer, set()).add(_shard)
 
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -28,6 +34,25 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             "(convert pickled .bin checkpoints first)"
         )
     return files
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """The folder's name plus a digest of its config and of sampled weight bytes.
+
+    Block hashes start from this, so two checkpoints that share a folder name (two
+    fine-tunes of one base) must not share an identity; hashing whole files would
+    cost seconds per start, 16 x 64 KiB samples per file tell fine-tunes apart.
+    """
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in safetensors_files(model_dir):
+        size = path.stat().st_size
+        digest.update(path.name.encode() + size.to_bytes(8, "little"))
+        with path.open("rb") as f:
+            for i in range(16):
+                f.seek(size * i // 16)
+                digest.update(f.read(64 * 1024))
+    return f"{model_dir.resolve().name}-{digest.hexdigest()[:12]}"
 
 
 def load_model(
@@ -65,13 +90,21 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                 if loader is not None:
                     loader(param_name, f.get_slice(name), shard_id)
                 else:
-                    getattr(module, param_name).data.copy_(f.get_tensor(name))
-                loaded.add(f"{module_path}.{param_name}")
+                    copy_weight(getattr(module, param_name), f.get_tensor(name))
+                loaded.add(f"{module_path}.{param_name}" + (f"#{shard_id}" if shard_id else ""))
     # A tied LM head shares the embedding's parameter, which named_parameters
-    # lists once, under the embedding's name.
-    missing = expected - loaded
+    # lists once, under the embedding's name. A packed layer counts as loaded only
+    # when every one of its parts (q, k, v / gate, up) was.
+    missing = sorted(n for n in expected if not _parts(n) <= loaded)
     if missing:
-        raise ValueError(f"checkpoint in {model_dir} lacks tensors: {sorted(missing)[:8]}")
+        raise ValueError(f"checkpoint in {model_dir} lacks tensors: {missing[:8]}")
+
+
+def _parts(param: str) -> set[str]:
+    """What loading `param` takes: its name, or one name per part of a packed layer."""
+    module_path = param.rpartition(".")[0]
+    shards = _PACKED_SHARDS.get(module_path.rpartition(".")[2])
+    return {param} if shards is None else {f"{param}#{shard}" for shard in shards}
 
 
 def _resolve(name: str) -> tuple[str, str, str | None]:

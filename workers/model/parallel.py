@@ -56,7 +56,7 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
-def _load_into(param: torch.Tensor, src: torch.Tensor) -> None:
+def copy_weight(param: torch.Tensor, src: torch.Tensor) -> None:
     if tuple(src.shape) != tuple(param.shape):
         raise RuntimeError(
             f"weight shard shape {tuple(src.shape)} != parameter {tuple(param.shape)}"
@@ -141,7 +141,7 @@ class ColumnParallelLinear(PackableLinear):
         local = self.local_sizes[shard_id]
         start = self.tp.rank * local
         dst = getattr(self, param_name).data
-        _load_into(
+        copy_weight(
             dst[self.offsets[shard_id] : self.offsets[shard_id] + local], src[start : start + local]
         )
 
@@ -174,10 +174,10 @@ class RowParallelLinear(PackableLinear):
 
     def load_weight(self, param_name: str, src: TensorSlice, shard_id: str | None = None) -> None:
         if param_name == "bias":
-            _load_into(self.bias, src[:])
+            copy_weight(self.bias, src[:])
             return
         local = self.weight.shape[1]
-        _load_into(self.weight, src[:, self.in_start : self.in_start + local])
+        copy_weight(self.weight, src[:, self.in_start : self.in_start + local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(self.matmul(x))
@@ -201,7 +201,7 @@ class VocabParallelEmbedding(nn.Module):
     def load_weight(self, param_name: str, src: TensorSlice, shard_id: str | None = None) -> None:
         end = min(self.vocab_start + self.per_rank, self.vocab_size)
         if end > self.vocab_start:
-            _load_into(self.weight[: end - self.vocab_start], src[self.vocab_start : end])
+            copy_weight(self.weight[: end - self.vocab_start], src[self.vocab_start : end])
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
