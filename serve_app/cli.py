@@ -61,18 +61,22 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = engine.tokenizer.encode(args.prompt)
     engine.add_request(uuid.uuid4().hex, prompt_ids, params)
+    last = None
     while engine.has_unfinished():
-        for out in engine.step():
-            sys.stdout.write(out.new_text)
+        for last in engine.step():
+            sys.stdout.write(last.new_text)
             sys.stdout.flush()
-            if out.finished:
-                log.info(
-                    "finish_reason=%s prompt_tokens=%d completion_tokens=%d",
-                    out.finish_reason.value,
-                    out.num_prompt_tokens,
-                    out.num_output_tokens,
-                )
+    # The newline ends the completion before the summary, so a terminal showing
+    # both streams does not run the log line into the text.
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if last is not None:
+        log.info(
+            "finish_reason=%s prompt_tokens=%d completion_tokens=%d",
+            last.finish_reason.value,
+            last.num_prompt_tokens,
+            last.num_output_tokens,
+        )
     return 0
 
 
