@@ -8,7 +8,6 @@ never break a step that other requests share.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from workers.engine.sampling_params import SamplingParams, TokenLogprob
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
 from workers.model.config import ModelConfig
-from workers.model.tokenizer import Tokenizer
+from workers.model.tokenizer import Tokenizer, eos_token_ids
 from workers.tp.group import TPWorkerGroup
 
 
@@ -139,7 +138,9 @@ class LLMEngine:
         )
         # First-token outputs of imported requests, handed out by the next step.
         self._outbox: list[RequestOutput] = []
-        self.eos_token_ids = self._eos_token_ids(model_dir)
+        self.eos_token_ids = eos_token_ids(
+            model_dir, self.model_config.eos_token_ids, self.tokenizer
+        )
         self._generator = torch.Generator().manual_seed(config.seed)
         self._requests: dict[str, Sequence] = {}
         self._num_steps = 0
@@ -396,14 +397,3 @@ class LLMEngine:
             kv_blocks_imported=self.imports.num_blocks_imported,
             kv_blocks_reused_for_import=self.imports.num_blocks_reused,
         )
-
-    def _eos_token_ids(self, model_dir: Path) -> frozenset[int]:
-        ids = set(self.model_config.eos_token_ids)
-        gen_config = model_dir / "generation_config.json"
-        if gen_config.is_file():
-            eos = json.loads(gen_config.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        tok_eos = self.tokenizer.token_id(self.tokenizer.eos_token)
-        if tok_eos is not None:
-            ids.add(tok_eos)
-        return frozenset(ids)

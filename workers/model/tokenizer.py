@@ -81,3 +81,19 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         # The template writes any BOS itself, so the tokenizer must not add another.
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def eos_token_ids(
+    model_dir: str | Path, config_eos_ids: tuple[int, ...], tokenizer: Tokenizer
+) -> frozenset[int]:
+    """Every id that ends a completion: config.json's, generation_config.json's (chat
+    models often add their end-of-turn token there) and the tokenizer's EOS token."""
+    ids = set(config_eos_ids)
+    gen_config = Path(model_dir) / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    tok_eos = tokenizer.token_id(tokenizer.eos_token)
+    if tok_eos is not None:
+        ids.add(tok_eos)
+    return frozenset(ids)
