@@ -6,8 +6,9 @@
 Runs `grpc_tools.protoc` (python_out, grpc_python_out, pyi_out) with the `protos/` tree
 and grpc_tools' bundled well-known types on the include path, flattens the output into
 one package and rewrites protoc's absolute imports between generated modules
-(`from baton.v1 import baton_pb2`) into relative ones (`from . import baton_pb2`), so the
-modules import as `serve_app.grpc_api.*` from the installed package. Output depends on
+(`from baton.v1 import baton_pb2`) into relative ones (`from . import baton_pb2`), and
+the module name the message classes record, so they import (and unpickle) as
+`serve_app.grpc_api.*` from the installed package. Output depends on
 the grpcio-tools version; tests/test_protos.py checks the checked-in files are current.
 """
 
@@ -24,6 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = ROOT / "protos"
 DEFAULT_OUT = ROOT / "serve_app" / "grpc_api"
+# The import path of the generated modules: their message classes must say so in
+# __module__, or pickle (Ray shipping a request between processes) cannot find them.
+PYTHON_PACKAGE = "serve_app.grpc_api"
 # What protoc writes per .proto; anything else in the package (__init__.py) is hand-written.
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 
@@ -78,6 +82,9 @@ def _relative_imports(text: str, modules: dict[str, str]) -> str:
         else:
             pattern = rf"^import {name}\b"
         text = re.sub(pattern, f"from . import {name}", text, flags=re.MULTILINE)
+        # protoc names the module after the .proto's path ("baton.v1.baton_pb2").
+        qualified = f"{package}.{name}" if package else name
+        text = text.replace(f"'{qualified}'", f"'{PYTHON_PACKAGE}.{name}'")
     return text
 
 

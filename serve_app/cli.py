@@ -1,8 +1,17 @@
-"""The `baton` command."""
+"""The `baton` command: run the service, operate it, and talk to it.
+
+baton serve [--mode ...] [--prefill-replicas N] ...   deploy (starts Ray if needed)
+baton generate "prompt" [--chat]                        stream a completion over gRPC
+baton scale prefill|decode|aggregated N                 resize one pool, live
+baton status [--json]                                   pools, replicas, KV, hit rate
+baton stop                                              shut the service and Ray down
+baton generate --local "prompt"                         no service: an in-process engine
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import uuid
@@ -19,44 +28,92 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton", description="Baton LLM inference")
+    parser = argparse.ArgumentParser(prog="baton", description="Baton LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
+
     gen = sub.add_parser("generate", help="generate a completion and stream it to stdout")
     gen.add_argument("prompt", help="the prompt, or the user message with --chat")
+    gen.add_argument("--chat", action="store_true", help="render PROMPT with the chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--address", default="localhost:9000", help="the service's gRPC address")
+    gen.add_argument("--local", action="store_true", help="run an engine in this process")
     gen.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face Llama-family folder (default: bundled SmolLM2-135M-Instruct)",
+        help="with --local: a local Hugging Face Llama-family folder (default: bundled "
+        "SmolLM2-135M-Instruct)",
     )
-    gen.add_argument("--chat", action="store_true", help="render PROMPT with the chat template")
-    gen.add_argument("--system", default=None, help="system message (with --chat)")
     _add_sampling_args(gen)
+
+    serve = sub.add_parser("serve", help="deploy the service (joins RAY_ADDRESS or starts Ray)")
+    serve.add_argument("--config", default=None, help="a JSON or YAML file of AppConfig fields")
+    serve.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join ('auto', host:port); default RAY_ADDRESS, else a local head",
+    )
+    serve.add_argument("--model", default=None, help="model folder (default: bundled SmolLM2)")
+    serve.add_argument("--mode", choices=["disaggregated", "aggregated"], default=None)
+    for pool in ("prefill", "decode", "aggregated"):
+        serve.add_argument(f"--{pool}-replicas", type=int, default=None)
+        serve.add_argument(f"--{pool}-tp", type=int, default=None, help="tensor parallel size")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=9000)
+
+    scale = sub.add_parser("scale", help="set one pool's replica count, without downtime")
+    scale.add_argument("pool", choices=["prefill", "decode", "aggregated"])
+    scale.add_argument("replicas", type=int)
+
+    status = sub.add_parser("status", help="pools, replicas, queues, KV usage, prefix hits")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sub.add_parser("stop", help="shut the service down and stop the local Ray head")
     return parser
 
 
+def _sampling(args: argparse.Namespace) -> dict:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+    }
+
+
+def _messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat: a system message only exists in a chat")
+    if not args.chat:
+        return None
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.system is not None:
+        messages.insert(0, {"role": "system", "content": args.system})
+    return messages
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def _generate(args: argparse.Namespace) -> int:
+    messages = _messages(args)
+    if not args.local:
+        if args.model is not None:
+            raise ValueError("--model needs --local: the service serves the model it was given")
+        return _generate_remote(args, messages)
     # Heavy imports wait until a command needs them, so `baton --help` is instant.
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
     from workers.engine.sampling_params import SamplingParams
     from workers.model.default_model import ensure_default_model
 
-    if args.system is not None and not args.chat:
-        raise ValueError("--system needs --chat: a system message only exists in a chat")
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
+    params = SamplingParams(**_sampling(args))
     model = args.model or str(ensure_default_model())
     log.info("loading %s", model)
     engine = LLMEngine(EngineConfig(model=model))
-    if args.chat:
-        messages = [{"role": "user", "content": args.prompt}]
-        if args.system is not None:
-            messages.insert(0, {"role": "system", "content": args.system})
+    if messages is not None:
         prompt_ids = engine.tokenizer.encode_chat(messages)
     else:
         prompt_ids = engine.tokenizer.encode(args.prompt)
@@ -64,12 +121,10 @@ def _generate(args: argparse.Namespace) -> int:
     last = None
     while engine.has_unfinished():
         for last in engine.step():
-            sys.stdout.write(last.new_text)
-            sys.stdout.flush()
+            _write(last.new_text)
     # The newline ends the completion before the summary, so a terminal showing
     # both streams does not run the log line into the text.
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    _write("\n")
     if last is not None:
         log.info(
             "finish_reason=%s prompt_tokens=%d completion_tokens=%d",
@@ -78,6 +133,123 @@ def _generate(args: argparse.Namespace) -> int:
             last.num_output_tokens,
         )
     return 0
+
+
+def _generate_remote(args: argparse.Namespace, messages: list[dict] | None) -> int:
+    import grpc
+
+    from serve_app.client import BatonClient, generate_request
+
+    sampling = {k: v for k, v in _sampling(args).items() if v is not None}
+    request = generate_request(
+        args.prompt if messages is None else None, messages=messages, **sampling
+    )
+    last = None
+    with BatonClient(args.address) as client:
+        try:
+            for last in client.generate(request):
+                _write(last.text)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from None
+            print(f"baton: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    _write("\n")
+    if last is not None:
+        log.info(
+            "finish_reason=%s prompt_tokens=%d completion_tokens=%d cached_prompt_tokens=%d",
+            last.finish_reason,
+            last.usage.prompt_tokens,
+            last.usage.completion_tokens,
+            last.usage.cached_prompt_tokens,
+        )
+    return 0
+
+
+def _serve_config(args: argparse.Namespace):
+    from serve_app.config import AppConfig
+
+    fields: dict = {}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            fields = yaml.safe_load(f) or {}
+    if args.model:
+        fields["model"] = args.model
+    if args.mode:
+        fields["mode"] = args.mode
+    for pool in ("prefill", "decode", "aggregated"):
+        replicas, tp = getattr(args, f"{pool}_replicas"), getattr(args, f"{pool}_tp")
+        if replicas is not None:
+            fields.setdefault(pool, {})["num_replicas"] = replicas
+        if tp is not None:
+            fields.setdefault(pool, {})["tensor_parallel_size"] = tp
+    return AppConfig.model_validate(fields)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from serve_app import service_ops
+
+    config = _serve_config(args)
+    service_ops.connect(args.address, start_if_missing=True)
+    log.info("deploying (%s mode); the first start loads the model", config.mode)
+    service_ops.deploy(config, http_port=args.http_port, grpc_port=args.grpc_port)
+    log.info(
+        "serving: gRPC localhost:%d (baton.v1.Baton), OpenAI HTTP http://localhost:%d/v1",
+        args.grpc_port,
+        args.http_port,
+    )
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from serve_app import service_ops
+
+    service_ops.connect()
+    service_ops.scale(args.pool, args.replicas)
+    log.info("%s pool scaled to %d replicas", args.pool, args.replicas)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from serve_app import service_ops
+
+    service_ops.connect()
+    report = service_ops.status()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"application {report['application']}: {report['status']}")
+    for name, d in report["deployments"].items():
+        print(f"  {name:<14} {d['status']:<10} replicas {d['replicas']}")
+    for r in report["replicas"]:
+        e = r["engine"]
+        used = e["num_total_blocks"] - e["num_free_blocks"]
+        print(
+            f"  {r['role']:<10} {r['replica_id']:<10} running {e['num_running']:>3} "
+            f"waiting {e['num_waiting']:>3}  KV {used}/{e['num_total_blocks']} blocks  "
+            f"prefix hit rate {e['prefix_cache_hit_rate']:.2f}  "
+            f"handoffs {r['handoff']['num_handoffs']}"
+        )
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from serve_app import service_ops
+
+    service_ops.connect()
+    service_ops.stop()
+    return 0
+
+
+_COMMANDS = {
+    "generate": _generate,
+    "serve": _serve,
+    "scale": _scale,
+    "status": _status,
+    "stop": _stop,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,12 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     from workers.model.default_model import ModelFetchError
 
     try:
-        if args.command == "generate":
-            return _generate(args)
-    except (ValueError, ModelFetchError) as e:
+        return _COMMANDS[args.command](args)
+    except (ValueError, ModelFetchError, ConnectionError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
-    return 1
 
 
 if __name__ == "__main__":

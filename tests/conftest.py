@@ -185,7 +185,7 @@ def ray_cluster():
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray.init(
         address="local",
-        num_cpus=8,
+        num_cpus=16,
         include_dashboard=False,
         _temp_dir=temp_dir,
         _metrics_export_port=metrics_port,

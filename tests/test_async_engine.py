@@ -329,3 +329,54 @@ def test_idle_engine_thread_sleeps_and_wakes_on_a_request(model_dir):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_prefill_only_stream_hands_off_to_a_second_engine_through_call(model_dir):
+    prompt = random_prompts(1, seed=3)[0]
+    expected = _engine(model_dir).generate([prompt], GREEDY)[0].output_token_ids
+
+    async def main():
+        prefill, decode = AsyncEngine(_engine(model_dir)), AsyncEngine(_engine(model_dir))
+        outs = [o async for o in prefill.generate("r", prompt, GREEDY, prefill_only=True)]
+        assert len(outs) == 1 and outs[0].handoff is not None and outs[0].finish_reason is None
+        handle, parts = await prefill.call(lambda e: e.export_kv("r"))
+        assert await prefill.call(lambda e: e.release_handoff("r"))
+        with pytest.raises(ValueError, match="holds no KV handoff"):
+            await prefill.call(lambda e: e.export_kv("r"))
+        stream = decode.generate_prefilled("r", prompt, GREEDY, handle, parts)
+        tokens = [t async for o in stream for t in o.new_token_ids]
+        assert tokens == expected
+        assert _all_blocks_free(prefill) and _all_blocks_free(decode)
+        await prefill.shutdown()
+        await decode.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_held_handoff_expires_while_the_engine_is_idle(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir, handoff_timeout_s=0.2))
+        prompt = random_prompts(1, seed=4)[0]
+        outs = [o async for o in engine.generate("h", prompt, GREEDY, prefill_only=True)]
+        assert outs[-1].handoff is not None
+        # Nothing else happens: the engine thread must wake for the deadline on its own.
+        await _until(lambda: engine.stats().handoffs_expired == 1, "the handoff to expire")
+        await _until(lambda: _all_blocks_free(engine), "the expired blocks to be freed")
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_abort_nowait_releases_a_held_handoff(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir))
+        prompt = random_prompts(1, seed=5)[0]
+        [o async for o in engine.generate("h", prompt, GREEDY, prefill_only=True)]
+        await _until(lambda: engine.stats().handoffs_held == 1, "the handoff to be held")
+        assert not _all_blocks_free(engine)
+        engine.abort_nowait("h")
+        await _until(lambda: _all_blocks_free(engine), "the held blocks to be freed")
+        assert await engine.call(lambda e: len(e.handoffs)) == 0
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -36,7 +36,9 @@ def _expected_text(model_dir, messages=None, prompt=None, max_tokens=12) -> str:
 
 
 def test_generate_prints_only_the_completion(model_dir):
-    run = _baton("generate", "--model", str(model_dir), "--max-tokens", "12", "Hello there")
+    run = _baton(
+        "generate", "--local", "--model", str(model_dir), "--max-tokens", "12", "Hello there"
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout == _expected_text(model_dir, prompt="Hello there") + "\n"
     assert "finish_reason=" in run.stderr
@@ -45,6 +47,7 @@ def test_generate_prints_only_the_completion(model_dir):
 def test_chat_renders_the_system_and_user_messages(model_dir):
     run = _baton(
         "generate",
+        "--local",
         "--model",
         str(model_dir),
         "--chat",
@@ -60,7 +63,7 @@ def test_chat_renders_the_system_and_user_messages(model_dir):
 
 
 def test_seeded_sampling_is_reproducible_from_the_command_line(model_dir, capsys):
-    args = ["generate", "--model", str(model_dir), "--temperature", "1.0", "--seed", "7"]
+    args = ["generate", "--local", "--model", str(model_dir), "--temperature", "1.0", "--seed", "7"]
     outputs = []
     for _ in range(2):
         assert main([*args, "--max-tokens", "16", "Hello"]) == 0
@@ -78,7 +81,7 @@ def test_seeded_sampling_is_reproducible_from_the_command_line(model_dir, capsys
     ],
 )
 def test_bad_arguments_exit_2_with_the_field_named(model_dir, args, message, capsys):
-    assert main(["generate", "--model", str(model_dir), *args, "Hello"]) == 2
+    assert main(["generate", "--local", "--model", str(model_dir), *args, "Hello"]) == 2
     captured = capsys.readouterr()
     assert message in captured.err
     assert captured.out == ""

@@ -30,7 +30,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x62\x61ton/v1
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.baton_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serve_app.grpc_api.baton_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FINISHREASON']._serialized_start=1537

@@ -22,17 +22,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineStats, LLMEngine, RequestOutput
+from workers.engine.kv_transfer import KVBlocks, KVHandle
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_REQUESTS = 1024
+# While the engine has nothing to compute but held handoffs wait for their deadline or
+# imports wait for blocks, the engine thread re-checks this often instead of spinning.
+_TIMER_POLL_S = 0.5
+
+T = TypeVar("T")
 
 
 class EngineOverloadedError(RuntimeError):
@@ -59,9 +66,16 @@ class _Stream:
 @dataclass
 class _Add:
     stream: _Stream
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
+    # Queues the request in the engine (add_request or add_prefilled_request); raises
+    # (ValueError, naming the field) before changing anything if the engine refuses it.
+    submit: Callable[[LLMEngine], None]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    reply: asyncio.Future
+    reply_loop: asyncio.AbstractEventLoop
 
 
 @dataclass
@@ -91,8 +105,8 @@ class AsyncEngine:
         self.max_pending_requests = max_pending_requests
         self._cond = threading.Condition()
         # Everything below is guarded by _cond.
-        self._commands: list[_Add | _Abort] = []
-        self._commands_running: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _Call] = []
+        self._commands_running: list[_Add | _Abort | _Call] = []
         self._num_queued_adds = 0  # adds not yet reflected in _stats.num_waiting
         self._stats = engine.stats()  # safe: the engine thread does not exist yet
         self._stopping = False
@@ -116,12 +130,13 @@ class AsyncEngine:
 
     # -- caller side (any thread, any event loop) ----------------------------
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        prefill_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yields this request's outputs as the engine makes them, ending with a finished one.
 
@@ -129,10 +144,49 @@ class AsyncEngine:
         add_request), EngineOverloadedError, EngineDeadError. Raises EngineDeadError mid-stream
         if the engine fails. Closing the iterator or cancelling its task aborts the request.
         A request aborted via abort() or shutdown() ends with finish_reason ABORT.
+        `prefill_only`: see LLMEngine.add_request (its last output carries the handoff).
         """
-        loop = asyncio.get_running_loop()
         prompt = list(prompt_token_ids)
-        stream = _Stream(request_id, loop, len(prompt))
+
+        def submit(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, params, cache_salt, prefill_only)
+
+        return self._stream(request_id, len(prompt), submit)
+
+    def generate_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        handle: KVHandle,
+        kv_parts: list[KVBlocks],
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Like generate(), for a request another engine prefilled (LLMEngine
+        .add_prefilled_request); its first output repeats the handed-over token."""
+        prompt = list(prompt_token_ids)
+
+        def submit(engine: LLMEngine) -> None:
+            engine.add_prefilled_request(request_id, prompt, params, handle, kv_parts, cache_salt)
+
+        return self._stream(request_id, len(prompt), submit)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs `fn(engine)` on the engine thread between steps and returns its result (or
+        raises its exception). For quick engine calls: export_kv, cached_prefix_blocks..."""
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        with self._cond:
+            self._check_alive()
+            self._commands.append(_Call(fn, reply, loop))
+            self._cond.notify()
+        return await reply
+
+    async def _stream(
+        self, request_id: str, num_prompt_tokens: int, submit: Callable[[LLMEngine], None]
+    ) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        stream = _Stream(request_id, loop, num_prompt_tokens)
         with self._cond:
             self._check_alive()
             limit = self.max_pending_requests
@@ -141,17 +195,29 @@ class AsyncEngine:
                     f"{limit} requests are already waiting for this engine; retry later"
                 )
             self._num_queued_adds += 1
-            self._commands.append(_Add(stream, prompt, params, cache_salt))
+            self._commands.append(_Add(stream, submit))
             self._cond.notify()
         finished = False
+        pending: RequestOutput | BaseException | None = None
         try:
             while True:
-                item = await stream.queue.get()
+                item = pending if pending is not None else await stream.queue.get()
+                pending = None
                 if isinstance(item, BaseException):
                     finished = True  # refused or failed: nothing left in the engine
                     raise item
-                finished = item.finished
-                yield item
+                # A consumer that fell behind gets what piled up as one output: fewer,
+                # larger messages down the serving path exactly when it is busiest.
+                batch = [item]
+                while not batch[-1].finished and not stream.queue.empty():
+                    nxt = stream.queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        pending = nxt
+                        break
+                    batch.append(nxt)
+                out = batch[0] if len(batch) == 1 else _merge(batch)
+                finished = out.finished
+                yield out
                 if finished:
                     return
         finally:
@@ -168,6 +234,11 @@ class AsyncEngine:
         if not self._enqueue_abort(_Abort(request_id, reply=reply, reply_loop=loop)):
             return False
         return await reply
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Queues an abort without waiting (safe while being cancelled): drops a request or
+        releases a held handoff."""
+        self._enqueue_abort(_Abort(request_id))
 
     def stats(self) -> EngineStats:
         """The engine's stats as of its last step or command batch (never blocks on a step)."""
@@ -210,11 +281,16 @@ class AsyncEngine:
         try:
             while True:
                 # The engine's work only changes on this thread, so one look before
-                # sleeping is enough; add/abort/shutdown notify to wake it.
-                idle = not self.engine.has_unfinished()
+                # sleeping is enough; commands and shutdown notify to wake it.
+                engine = self.engine
+                idle = not engine.needs_step()
+                timers = bool(engine.imports.pending or len(engine.handoffs))
                 with self._cond:
                     if idle:
-                        self._cond.wait_for(lambda: self._commands or self._stopping)
+                        self._cond.wait_for(
+                            lambda: self._commands or self._stopping,
+                            timeout=_TIMER_POLL_S if timers else None,
+                        )
                     commands, self._commands = self._commands, []
                     # Kept until run: if running them fails midway, _die must still
                     # answer the ones after the failure.
@@ -226,29 +302,37 @@ class AsyncEngine:
                     self._abort_all()
                     self._publish_stats(num_adds)
                     return
-                if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
+                if engine.has_unfinished() or len(engine.handoffs):
+                    self._dispatch(engine.step())  # also expires handoffs, admits imports
                 self._publish_stats(num_adds)
         except BaseException as exc:  # anything escaping here leaves the engine unusable
             logger.exception("engine thread failed; failing every request")
             self._die(exc)
 
-    def _execute(self, commands: list[_Add | _Abort]) -> int:
+    def _execute(self, commands: list[_Add | _Abort | _Call]) -> int:
         num_adds = 0
         for command in commands:
             if isinstance(command, _Add):
                 num_adds += 1
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 self._abort(command)
         return num_adds
 
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:  # the caller's error (e.g. ValueError), not the engine's
+            _call_soon(command.reply_loop, _fail, command.reply, exc)
+            return
+        _call_soon(command.reply_loop, _resolve, command.reply, result)
+
     def _add(self, command: _Add) -> None:
         stream = command.stream
         try:
-            self.engine.add_request(
-                stream.request_id, command.prompt_token_ids, command.params, command.cache_salt
-            )
+            command.submit(self.engine)
         except Exception as exc:  # refused before any engine state changed: only it fails
             self._send({stream.loop: [(stream, exc)]})
             return
@@ -320,9 +404,22 @@ class AsyncEngine:
         for command in queued:
             if isinstance(command, _Abort) and command.reply is not None and command.reply_loop:
                 _call_soon(command.reply_loop, _resolve, command.reply, False)
+            elif isinstance(command, _Call):
+                _call_soon(command.reply_loop, _fail, command.reply, _dead_error(error))
         # Only delivers: _send's fallback would call into the broken engine.
         for loop, items in batches.items():
             _call_soon(loop, _deliver, items)
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in
+    order, the last one's state (finished, finish reason, counts, handoff)."""
+    return replace(
+        outputs[-1],
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outputs),
+        new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
+    )
 
 
 def _abort_output(stream: _Stream) -> RequestOutput:
@@ -362,3 +459,8 @@ def _deliver(items: list[tuple[_Stream, object]]) -> None:
 def _resolve(future: asyncio.Future, value: object) -> None:
     if not future.done():  # the awaiting task may have been cancelled
         future.set_result(value)
+
+
+def _fail(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -72,6 +72,8 @@ class EngineStats:
     kv_blocks_exported: int
     kv_blocks_imported: int
     kv_blocks_reused_for_import: int  # taken from this engine's prefix cache instead
+    kv_export_s: float  # seconds copying blocks out for handoffs, in total
+    kv_import_s: float  # seconds writing handed-over blocks in, in total
 
 
 class LLMEngine:
@@ -229,6 +231,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """True while `step` has work or outputs to hand out (held handoffs are not work)."""
         return self.scheduler.has_work() or bool(self.imports.pending or self._outbox)
+
+    def needs_step(self) -> bool:
+        """True when `step` would compute or hand out something now; False when all that is
+        left waits on time or on blocks (held handoffs, imports waiting for room)."""
+        return self.scheduler.has_work() or bool(self._outbox)
 
     # -- stepping ------------------------------------------------------------
 
@@ -396,4 +403,6 @@ class LLMEngine:
             kv_blocks_exported=self.handoffs.num_blocks_exported,
             kv_blocks_imported=self.imports.num_blocks_imported,
             kv_blocks_reused_for_import=self.imports.num_blocks_reused,
+            kv_export_s=self.handoffs.export_s,
+            kv_import_s=self.imports.import_s,
         )

@@ -29,6 +29,7 @@ The protocol, as a serving layer drives it:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -73,6 +74,7 @@ class HeldHandoffs:
         self._held: dict[str, _Held] = {}
         self.num_expired = 0
         self.num_blocks_exported = 0
+        self.export_s = 0.0  # time spent copying blocks out, all exports together
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._held
@@ -120,7 +122,9 @@ class HeldHandoffs:
                 f"got {skip_blocks!r}"
             )
         block_ids = held.seq.block_table[skip_blocks : held.handle.num_blocks]
+        start = time.perf_counter()
         parts = self.runner.export_blocks(block_ids, skip_blocks)
+        self.export_s += time.perf_counter() - start
         self.num_blocks_exported += len(block_ids)
         return held.handle, parts
 
@@ -165,6 +169,7 @@ class KVImports:
         self.pending: deque[_Pending] = deque()
         self.num_blocks_imported = 0
         self.num_blocks_reused = 0
+        self.import_s = 0.0  # time spent writing imported blocks, all imports together
 
     def add(self, seq: Sequence, handle: KVHandle, parts: list[KVBlocks]) -> None:
         """Checks the handoff against `seq` (its prompt, params and salt, not yet holding
@@ -219,7 +224,9 @@ class KVImports:
             self.pending.remove(p)
             new_blocks = p.seq.block_table[held:]
             if new_blocks:
+                start = time.perf_counter()
                 self.runner.import_blocks(new_blocks, p.parts)
+                self.import_s += time.perf_counter() - start
             self.num_blocks_imported += len(new_blocks)
             p.seq.num_computed_tokens = p.handle.num_tokens
             self.kv.commit_computed_blocks(p.seq)

@@ -31,9 +31,13 @@ class TPWorkerGroup:
         self.tp_size = tp_size
         gpu = spec.device.startswith("cuda")
         bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
-        # STRICT_PACK: the ranks exchange activations twice per layer, so they
-        # must share a node.
-        self.placement_group = placement_group([bundle] * tp_size, strategy="STRICT_PACK")
+        # STRICT_PACK: the ranks exchange activations twice per layer, so they must
+        # share a node; and that node is this process's (Ray's built-in node-id label),
+        # so a pool's ranks stay on the nodes its replicas were placed on.
+        here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+        self.placement_group = placement_group(
+            [bundle] * tp_size, strategy="STRICT_PACK", bundle_label_selector=[here] * tp_size
+        )
         try:
             ray.get(self.placement_group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as e:

@@ -1,0 +1,212 @@
+"""The service against the in-process engine, in one run: what serving costs.
+
+Deploys an aggregated and a disaggregated application side by side on a local Ray
+(idle replicas cost no CPU), then, round by round and system by system, runs 8 and 32
+concurrent streams of 128 new tokens each: the in-process `AsyncEngine`, and each
+service through Serve's gRPC proxy. Prints aggregate tokens/s, TTFT p50/p99 and
+inter-token latency p50/p99 per system and concurrency, ratio.*.{agg,disagg}_over_engine,
+and, per KV transport, the handoff time of a 512-token prompt next to its prefill time
+(ratio.handoff_over_prefill_512.<transport>).
+
+    .venv/bin/python bench/service.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import tempfile
+import time
+import uuid
+
+import grpc
+import ray
+from common import TOPICS, cpu_count, emit, git_commit, log, median, topic_prompt
+from ray import serve
+
+from serve_app import service_ops
+from serve_app.config import TRANSPORTS, AppConfig, PoolConfig
+from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.grpc_api import baton_pb2_grpc as pb_grpc
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig
+from workers.engine.sampling_params import SamplingParams
+from workers.model.default_model import ensure_default_model
+
+NEW_TOKENS = 128
+PROMPT_TOKENS = 32
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Run:
+    """One concurrency run: per-stream token arrival times."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.streams: list[list[float]] = []
+
+    def figures(self) -> dict[str, float]:
+        end = max(t[-1] for t in self.streams)
+        tokens = sum(len(t) for t in self.streams)
+        ttfts = [t[0] - self.start for t in self.streams]
+        itls = [b - a for t in self.streams for a, b in zip(t, t[1:], strict=False)]
+        return {
+            "tok_s": tokens / (end - self.start),
+            "ttft_p50": _percentile(ttfts, 0.5),
+            "ttft_p99": _percentile(ttfts, 0.99),
+            "itl_p50": _percentile(itls, 0.5),
+            "itl_p99": _percentile(itls, 0.99),
+        }
+
+
+async def engine_run(engine: AsyncEngine, prompts: list[list[int]]) -> dict[str, float]:
+    run = Run()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def one(prompt: list[int]) -> None:
+        times = []
+        async for out in engine.generate(uuid.uuid4().hex, prompt, params):
+            times.extend([time.perf_counter()] * len(out.new_token_ids))
+        run.streams.append(times)
+
+    await asyncio.gather(*(one(p) for p in prompts))
+    return run.figures()
+
+
+async def service_run(address: str, app: str, prompts: list[list[int]]) -> dict[str, float]:
+    run = Run()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.BatonStub(channel)
+
+        async def one(prompt: list[int]) -> None:
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                max_tokens=NEW_TOKENS,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+            times = []
+            async for msg in stub.Generate(request, metadata=(("application", app),)):
+                times.extend([time.perf_counter()] * len(msg.token_ids))
+            run.streams.append(times)
+
+        await asyncio.gather(*(one(p) for p in prompts))
+    return run.figures()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def handoff_figures(
+    address: str, app: str, prompt: list[int], rounds: int
+) -> tuple[float, float]:
+    """Median prefill seconds and handoff seconds of single 512-token requests (decode's
+    counters around each request; prefix caching is off, so every block travels)."""
+    from serve_app.client import BatonClient
+
+    decode = serve.get_deployment_handle("DecodeServer", app_name=app)
+    prefills, handoffs = [], []
+    with BatonClient(address, application=app) as client:
+        for _ in range(rounds + 1):  # the first one warms the path up
+            before = (await decode.stats.remote())["handoff"]
+            client.generate_unary(
+                pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=2, temperature=0.0)
+            )
+            after = (await decode.stats.remote())["handoff"]
+            prefills.append(after["prefill_seconds"] - before["prefill_seconds"])
+            handoffs.append(after["seconds"] - before["seconds"])
+    return median(prefills[1:]), median(handoffs[1:])
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    model_dir = ensure_default_model()
+    threads = min(2, cpu_count())
+    ray.init(
+        address="local",
+        num_cpus=16,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+    )
+    http_port, grpc_port = _free_port(), _free_port()
+    address = f"127.0.0.1:{grpc_port}"
+    ports = {"http_port": http_port, "grpc_port": grpc_port, "http_host": "127.0.0.1"}
+    # Prefix caching off everywhere: rounds repeat prompts, and hits would measure the
+    # cache rather than the serving path.
+    agg_pool = PoolConfig(num_threads=threads)
+    # The two disaggregated engines share this machine's cores: one thread each.
+    apps = {"agg": AppConfig(mode="aggregated", enable_prefix_caching=False, aggregated=agg_pool)}
+    for transport in TRANSPORTS:
+        apps[f"disagg_{transport}"] = AppConfig(
+            mode="disaggregated", transport=transport, enable_prefix_caching=False
+        )
+    for name, config in apps.items():
+        log(f"deploying {name}")
+        service_ops.deploy(config, app_name=name, route_prefix=f"/{name}", **ports)
+
+    engine = AsyncEngine.from_config(
+        EngineConfig(model=str(model_dir), num_threads=threads, enable_prefix_caching=False)
+    )
+    tok = engine.engine.tokenizer
+    batches = {c: [topic_prompt(tok, TOPICS[i], PROMPT_TOKENS) for i in range(c)] for c in (8, 32)}
+    disagg = f"disagg_{TRANSPORTS[0]}"
+    systems = {
+        "engine": lambda p: engine_run(engine, p),
+        "agg": lambda p: service_run(address, "agg", p),
+        "disagg": lambda p: service_run(address, disagg, p),
+    }
+    for run in systems.values():  # warm-up
+        await run(batches[8][:2])
+
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}")
+        for c, prompts in batches.items():
+            for system, run in systems.items():
+                figures = await run(prompts)
+                results.setdefault((system, c), []).append(figures)
+                log(f"  c{c} {system:7s} {figures['tok_s']:.1f} tok/s")
+    await engine.shutdown()
+
+    context = {"model": model_dir.name, "new_tokens": NEW_TOKENS, "git_commit": git_commit()}
+    medians: dict[tuple[str, int], dict[str, float]] = {}
+    for (system, c), runs in results.items():
+        medians[system, c] = {k: median([f[k] for f in runs]) for k in runs[0]}
+        for key, value in medians[system, c].items():
+            unit = "tok/s" if key == "tok_s" else "s"
+            emit(f"{system}.c{c}_{key}", value, unit, concurrency=c, **context)
+    for c in batches:
+        for system in ("agg", "disagg"):
+            ratio = medians[system, c]["tok_s"] / medians["engine", c]["tok_s"]
+            emit(f"ratio.c{c}_tok_s.{system}_over_engine", ratio, "ratio", **context)
+
+    long_prompt = topic_prompt(tok, TOPICS[1], 512)
+    for transport in TRANSPORTS:
+        app = f"disagg_{transport}"
+        prefill_s, handoff_s = await handoff_figures(address, app, long_prompt, 3)
+        ctx = {"transport": transport, **context}
+        emit(f"disagg.prefill_512_s.{transport}", prefill_s, "s", **ctx)
+        emit(f"disagg.handoff_512_s.{transport}", handoff_s, "s", **ctx)
+        emit(f"ratio.handoff_over_prefill_512.{transport}", handoff_s / prefill_s, "ratio", **ctx)
+    serve.shutdown()
+    ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+{{/*
+Names. The RayService name is kept short because KubeRay derives the RayCluster, pod
+and Service names from it (adding suffixes), and those must stay within 63 characters.
+*/}}
+{{- define "baton.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "baton.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "baton.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "baton.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "baton.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "baton.labels" -}}
+helm.sh/chart: {{ include "baton.chart" . }}
+{{ include "baton.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "baton.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The pools `mode` deploys, as a comma-separated list (templates split it). */}}
+{{- define "baton.roles" -}}
+{{- if eq .Values.mode "aggregated" }}aggregated{{ else }}prefill,decode{{ end }}
+{{- end }}
+
+{{/* "true" when any deployed pool autoscales: KubeRay's autoscaler must then add pods. */}}
+{{- define "baton.autoscaling" -}}
+{{- $on := false }}
+{{- range $role := splitList "," (include "baton.roles" .) }}
+{{- if (index $.Values $role).autoscaling.enabled }}{{ $on = true }}{{ end }}
+{{- end }}
+{{- $on }}
+{{- end }}
+
+{{/*
+Checks the schema cannot express (relations between values); fails the render with a
+message naming the value. Included once, from the RayService template.
+*/}}
+{{- define "baton.validate" -}}
+{{- $heads := int .Values.model.numAttentionHeads }}
+{{- $kvHeads := int .Values.model.numKeyValueHeads }}
+{{- if ne (mod $heads $kvHeads) 0 }}
+{{- fail (printf "model.numAttentionHeads (%d) must be a multiple of model.numKeyValueHeads (%d)" $heads $kvHeads) }}
+{{- end }}
+{{- /* Valid TP degrees: the common divisors of both head counts. */}}
+{{- $valid := list }}
+{{- range $d := untilStep 1 (int (add $kvHeads 1)) 1 }}
+{{- if and (eq (mod $heads $d) 0) (eq (mod $kvHeads $d) 0) }}{{ $valid = append $valid $d }}{{ end }}
+{{- end }}
+{{- $seen := dict }}
+{{- range $role := splitList "," (include "baton.roles" .) }}
+{{- $pool := index $.Values $role }}
+{{- $tp := int $pool.tensorParallelSize }}
+{{- if not (has $tp $valid) }}
+{{- fail (printf "%s.tensorParallelSize=%d does not divide the model's heads (model.numAttentionHeads=%d, model.numKeyValueHeads=%d); valid degrees: %s" $role $tp $heads $kvHeads (join ", " $valid)) }}
+{{- end }}
+{{- if $pool.autoscaling.enabled }}
+{{- $min := int $pool.autoscaling.minReplicas }}
+{{- $max := int $pool.autoscaling.maxReplicas }}
+{{- if gt $min $max }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) must be <= %s.autoscaling.maxReplicas (%d)" $role $min $role $max) }}
+{{- end }}
+{{- if or (lt (int $pool.replicas) $min) (gt (int $pool.replicas) $max) }}
+{{- fail (printf "%s.replicas (%d) is the starting count and must lie within %s.autoscaling.minReplicas..maxReplicas (%d..%d)" $role (int $pool.replicas) $role $min $max) }}
+{{- end }}
+{{- end }}
+{{- if and (not $pool.autoscaling.enabled) (lt (int $pool.replicas) 1) }}
+{{- fail (printf "%s.replicas must be >= 1 (got %d), or enable %s.autoscaling to let it scale from zero" $role (int $pool.replicas) $role) }}
+{{- end }}
+{{- include "baton.validateFit" (dict "role" $role "pool" $pool "tp" $tp) }}
+{{- if hasKey $seen $pool.rayResource }}
+{{- fail (printf "%s.rayResource (%s) is also %s.rayResource: each pool needs its own so replicas land on their own pods" $role $pool.rayResource (get $seen $pool.rayResource)) }}
+{{- end }}
+{{- $_ := set $seen $pool.rayResource $role }}
+{{- end }}
+{{- end }}
+
+{{/*
+A replica that cannot fit its pod stays pending forever, so refuse it at render time.
+The replica takes replica.numCpus; with tensorParallelSize > 1 each TP rank is an actor of
+its own taking 1 CPU and, on GPUs, 1 GPU (the replica process then takes none); at TP 1
+the replica takes replica.numGpus. Ray counts a pod's CPUs and GPUs from its limits
+(requests when there is no limit), rounded up, as this does.
+*/}}
+{{- define "baton.validateFit" -}}
+{{- $role := .role }}
+{{- $tp := .tp }}
+{{- $r := .pool.replica }}
+{{- $limits := default dict .pool.resources.limits }}
+{{- $requests := default dict .pool.resources.requests }}
+{{- $ranks := ternary $tp 0 (gt $tp 1) }}
+{{- $cpu := toString (default (index $requests "cpu") (index $limits "cpu")) }}
+{{- if and $cpu (ne $cpu "<nil>") }}
+{{- $podCpus := ceil (ternary (divf (trimSuffix "m" $cpu | float64) 1000) (float64 $cpu) (hasSuffix "m" $cpu)) }}
+{{- $needCpus := addf $r.numCpus $ranks }}
+{{- if lt $podCpus $needCpus }}
+{{- fail (printf "%s pods have %v CPUs (%s.resources) but one replica needs %v: %s.replica.numCpus=%v plus %d TP ranks at 1 CPU each (%s.tensorParallelSize=%d)" $role $podCpus $role $needCpus $role $r.numCpus $ranks $role $tp) }}
+{{- end }}
+{{- end }}
+{{- if gt (float64 $r.numGpus) 0.0 }}
+{{- $podGpus := int (default (index $requests "nvidia.com/gpu") (index $limits "nvidia.com/gpu") | default 0) }}
+{{- $needGpus := ternary $tp (int (ceil $r.numGpus)) (gt $tp 1) }}
+{{- if lt $podGpus $needGpus }}
+{{- fail (printf "%s.replica.numGpus=%v with %s.tensorParallelSize=%d needs %s.resources.limits.nvidia.com/gpu >= %d (got %d)" $role $r.numGpus $role $tp $role $needGpus $podGpus) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* One pool's AppConfig fields (serve_app.config.PoolConfig), as JSON. */}}
+{{- define "baton.poolArgs" -}}
+{{- $pool := index .root.Values .role }}
+{{- $r := $pool.replica }}
+{{- $args := dict
+    "num_replicas" $pool.replicas
+    "tensor_parallel_size" $pool.tensorParallelSize
+    "num_cpus" $r.numCpus
+    "num_gpus" $r.numGpus
+    "resources" (dict $pool.rayResource 1)
+    "kv_cache_bytes" $r.kvCacheBytes
+    "max_num_seqs" $r.maxNumSeqs
+    "max_num_batched_tokens" $r.maxNumBatchedTokens
+    "num_threads" $r.numThreads
+    "max_ongoing_requests" $r.maxOngoingRequests }}
+{{- if $pool.autoscaling.enabled }}
+{{- $_ := set $args "autoscaling" (dict
+    "min_replicas" $pool.autoscaling.minReplicas
+    "max_replicas" $pool.autoscaling.maxReplicas
+    "target_ongoing_requests" $pool.autoscaling.targetOngoingRequests) }}
+{{- end }}
+{{- toJson $args }}
+{{- end }}
+
+{{/*
+The Serve config (serveConfigV2): exactly what serve_app.serve_config.serve_config()
+returns for the AppConfig these values describe. tests/test_helm_chart.py holds the two
+to equality, so a change to one must be made in the other.
+*/}}
+{{- define "baton.serveConfig" -}}
+{{- $v := .Values }}
+{{- $args := dict
+    "model" $v.model.path
+    "mode" $v.mode
+    "transport" $v.transport
+    "block_size" $v.blockSize
+    "enable_prefix_caching" $v.enablePrefixCaching
+    "handoff_timeout_s" $v.handoffTimeoutS
+    "registry_name" $v.registryName
+    "router" (dict
+      "num_replicas" $v.router.replicas
+      "num_cpus" $v.router.numCpus
+      "resources" $v.router.rayResources
+      "max_ongoing_requests" $v.router.maxOngoingRequests) }}
+{{- if $v.model.servedModelName }}
+{{- $_ := set $args "served_model_name" $v.model.servedModelName }}
+{{- end }}
+{{- if $v.model.maxModelLen }}
+{{- $_ := set $args "max_model_len" $v.model.maxModelLen }}
+{{- end }}
+{{- range $role := splitList "," (include "baton.roles" .) }}
+{{- $_ := set $args $role (include "baton.poolArgs" (dict "root" $ "role" $role) | fromJson) }}
+{{- end }}
+{{- $config := dict
+    "proxy_location" "EveryNode"
+    "http_options" (dict "host" "0.0.0.0" "port" 8000)
+    "grpc_options" (dict
+      "port" 9000
+      "grpc_servicer_functions" (list
+        "serve_app.grpc_api.baton_pb2_grpc.add_BatonServicer_to_server"
+        "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server")
+      "enable_reflection" true)
+    "applications" (list (dict
+      "name" "baton"
+      "route_prefix" "/"
+      "import_path" "serve_app.app:build_app"
+      "args" $args)) }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/*
+`ray start --resources` for a pool's pods: one unit of the pool's custom resource, in
+KubeRay's rayStartParams form (a JSON object wrapped in escaped double quotes, because
+KubeRay pastes the value into a shell command line).
+*/}}
+{{- define "baton.rayStartResources" -}}
+{{- printf "\"%s\"" (dict . 1 | toJson | replace "\"" "\\\"") }}
+{{- end }}
+
+{{/* A Ray container: image, ports, resources, environment. Takes dict(root, name, resources). */}}
+{{- define "baton.container" -}}
+- name: {{ .name }}
+  image: {{ include "baton.image" .root | quote }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  ports:
+    {{- if eq .name "ray-head" }}
+    - name: gcs
+      containerPort: 6379
+    - name: dashboard
+      containerPort: 8265
+    - name: client
+      containerPort: 10001
+    {{- end }}
+    - name: serve
+      containerPort: 8000
+    - name: grpc
+      containerPort: 9000
+    - name: metrics
+      containerPort: 8080
+  {{- with .resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .root.Values.env }}
+  env:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  # Ray leaves the cluster before the pod dies: the head notices at once.
+  lifecycle:
+    preStop:
+      exec:
+        command: ["/bin/sh", "-c", "ray stop"]
+{{- end }}
+
+{{/* Pod-level scheduling and metadata shared by head and workers. Takes dict(root, group, spec). */}}
+{{- define "baton.podMetadata" -}}
+labels:
+  {{- include "baton.selectorLabels" .root | nindent 2 }}
+  app.kubernetes.io/component: {{ .group }}
+  {{- with .root.Values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with .root.Values.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "baton.podScheduling" -}}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .spec.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .spec.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .spec.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,136 @@
+"""`build_app(config) -> Application`: the deployments of one Baton service, wired by bind().
+
+Usable from a Serve config file (`import_path: serve_app.app:build_app`, the AppConfig's
+fields as `args`) and from Python (`serve.run(build_app(AppConfig(...)))`, as `baton
+serve` does).
+
+    disaggregated:  Router -> DecodeServer -> PrefillServer   (decode drives the handoff)
+    aggregated:     Router -> EngineServer
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig as ServeAutoscaling
+from ray.serve.config import RequestRouterConfig
+
+from serve_app.config import AppConfig, PoolConfig
+from serve_app.engine_server import EngineServer
+from serve_app.router import Router
+from workers.model.config import ModelConfig
+
+DEPLOYMENT_NAMES = {
+    "aggregated": "EngineServer",
+    "prefill": "PrefillServer",
+    "decode": "DecodeServer",
+}
+ROUTER_NAME = "Router"
+# How often replicas report load and KV usage to the request router.
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+@functools.cache
+def _source_digest() -> str:
+    """Digest of Baton's own code, so a redeploy after a code change does roll replicas."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for package in ("serve_app", "workers"):
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _pin_version(deployment, role: str, replica_args: AppConfig):
+    """Pins the deployment's version to its code and its replicas' arguments.
+
+    Serve's Python API gives every deployment a random version on each `serve.run`, so a
+    redeploy that only changes a replica count would restart every replica of every
+    pool. Pinned, Serve sees the other deployments unchanged and only adds or drains
+    replicas of the pool being scaled. (Serve dropped the public `version` option and
+    computes its own only for config-file deploys, hence the attribute.)
+    """
+    text = json.dumps([_source_digest(), role, replica_args.model_dump(mode="json")])
+    deployment._version = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return deployment
+
+
+def _pool_options(role: str, pool: PoolConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "name": DEPLOYMENT_NAMES[role],
+        "max_ongoing_requests": pool.max_ongoing_requests,
+        "ray_actor_options": {
+            "num_cpus": pool.num_cpus,
+            # TP ranks take the devices; the replica process itself needs one only at tp=1.
+            "num_gpus": pool.num_gpus if pool.tensor_parallel_size == 1 else 0,
+            "resources": dict(pool.resources),
+        },
+        "request_router_config": RequestRouterConfig(
+            request_router_class="serve_app.request_routing:KVAwareRequestRouter",
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        ),
+        # Loading a model takes a while; a busy CPU engine must not look dead.
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 30,
+    }
+    if pool.autoscaling is not None:
+        a = pool.autoscaling
+        options["autoscaling_config"] = ServeAutoscaling(
+            min_replicas=a.min_replicas,
+            max_replicas=a.max_replicas,
+            initial_replicas=min(max(pool.num_replicas, a.min_replicas), a.max_replicas),
+            target_ongoing_requests=a.target_ongoing_requests,
+        )
+    else:
+        options["num_replicas"] = pool.num_replicas
+    return options
+
+
+def validate(config: AppConfig) -> None:
+    """Checks that need the model (TP degrees); ValueError naming the field."""
+    model = ModelConfig.from_pretrained(config.model_dir())
+    valid = model.valid_tp_degrees()
+    for role, pool in config.pools().items():
+        if pool.tensor_parallel_size not in valid:
+            raise ValueError(
+                f"{role}.tensor_parallel_size={pool.tensor_parallel_size} does not divide the "
+                f"model's {model.num_attention_heads} attention heads and "
+                f"{model.num_key_value_heads} KV heads; valid degrees: {valid}"
+            )
+        if pool.num_replicas < 1 and pool.autoscaling is None:
+            raise ValueError(f"{role}.num_replicas must be >= 1 (or set {role}.autoscaling)")
+
+
+def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    validate(config)
+    # Replicas never see replica counts: a rescale then leaves every deployment's
+    # arguments as they were, and Serve adds or drains replicas instead of restarting.
+    replica_args = config.without_scale()
+    router_deployment = serve.deployment(Router).options(
+        name=ROUTER_NAME,
+        num_replicas=config.router.num_replicas,
+        max_ongoing_requests=config.router.max_ongoing_requests,
+        ray_actor_options={
+            "num_cpus": config.router.num_cpus,
+            "resources": dict(config.router.resources),
+        },
+    )
+    router = _pin_version(router_deployment, "router", replica_args)
+    engine = serve.deployment(EngineServer)
+
+    def pool(role: str, *extra: Any):
+        options = _pool_options(role, config.pools()[role])
+        deployment = _pin_version(engine.options(**options), role, replica_args)
+        return deployment.bind(replica_args, role, *extra)
+
+    if config.mode == "aggregated":
+        return router.bind(replica_args, pool("aggregated"))
+    prefill = pool("prefill")
+    return router.bind(replica_args, pool("decode", prefill), prefill)

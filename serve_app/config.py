@@ -1,0 +1,144 @@
+"""The service's configuration: what `build_app` takes, from the CLI or a Serve config file.
+
+One pydantic model, validated at the edge (unknown keys rejected, every range checked),
+so a Serve config's `args:` block, `baton serve`'s flags and the Helm chart's values all
+meet the same rules. Engines receive plain `EngineConfig`s built from it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serve_app.status_board import DEFAULT_BOARD_NAME
+from workers.engine.config import EngineConfig
+
+# How prefill's KV blocks reach decode. "object_store": Ray's object store (works between
+# any two processes). The others are Ray Direct Transport backends; see kv_transport.py.
+Transport = Literal["object_store"]
+TRANSPORTS: tuple[str, ...] = Transport.__args__
+
+Mode = Literal["aggregated", "disaggregated"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class AutoscalingConfig(_Frozen):
+    """Serve's replica autoscaling for one pool, on ongoing requests per replica."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(16.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})"
+            )
+        return self
+
+
+class PoolConfig(_Frozen):
+    """One pool of engine replicas (prefill, decode, or the aggregated pool)."""
+
+    num_replicas: int = Field(1, ge=0)
+    # Set: Serve scales the pool between min and max; num_replicas is the starting count.
+    autoscaling: AutoscalingConfig | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    # Resources of the replica process; TP ranks (tensor_parallel_size > 1) are Ray actors
+    # of their own, each taking one CPU (or one GPU when num_gpus > 0).
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    # Custom Ray resources, e.g. {"baton_prefill": 0.01} to pin replicas to prefill nodes.
+    resources: dict[str, float] = Field(default_factory=dict)
+    kv_cache_bytes: int = Field(512 * 2**20, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(1024, ge=1)
+    # torch threads per replica (or per TP rank); replicas sharing a machine want 1 each.
+    num_threads: int = Field(1, ge=1)
+    # Requests Serve sends one replica at once; beyond it they queue at the router.
+    max_ongoing_requests: int = Field(128, ge=1)
+
+
+class RouterConfig(_Frozen):
+    num_replicas: int = Field(1, ge=1)
+    # Tokenizing and relaying is light next to an engine; half a CPU lets a small box fit
+    # a router beside one prefill and one decode replica.
+    num_cpus: float = Field(0.5, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+    max_ongoing_requests: int = Field(256, ge=1)
+
+
+class AppConfig(_Frozen):
+    # A local Hugging Face Llama-family folder, or "default" for the bundled SmolLM2.
+    model: str = "default"
+    # The name clients use (OpenAI "model", gRPC model info); defaults to the folder's name.
+    served_model_name: str | None = None
+    mode: Mode = "disaggregated"
+    transport: Transport = "object_store"
+    block_size: int = Field(16, ge=1, le=1024)
+    max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+    handoff_timeout_s: float = Field(30.0, gt=0)
+    # Pools: "aggregated" mode uses `aggregated`, "disaggregated" uses prefill and decode.
+    aggregated: PoolConfig = PoolConfig()
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig()
+    router: RouterConfig = RouterConfig()
+    # Name of the detached prefix-registry actor (one per Serve application).
+    registry_name: str = Field("baton-prefix-registry", min_length=1)
+    # Name of the detached actor replicas post their stats to (for `baton status`).
+    status_board_name: str = Field(DEFAULT_BOARD_NAME, min_length=1)
+
+    def model_dir(self) -> Path:
+        """The model's local folder (the bundled default is unpacked on first use)."""
+        if self.model == "default":
+            from workers.model.default_model import ensure_default_model
+
+            return ensure_default_model()
+        path = Path(self.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model must be 'default' or a local Hugging Face model folder with a "
+                f"config.json; {str(path)!r} has none"
+            )
+        return path
+
+    def pools(self) -> dict[str, PoolConfig]:
+        """The pools this mode runs, by role."""
+        if self.mode == "aggregated":
+            return {"aggregated": self.aggregated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def without_scale(self) -> AppConfig:
+        """This config with every pool's replica count and autoscaling at their defaults:
+        what replicas are built from, so scaling a pool changes no replica's arguments
+        (Serve then adds or drains replicas instead of restarting them all)."""
+        neutral = {"num_replicas": 1, "autoscaling": None}
+        return self.model_copy(
+            update={
+                name: getattr(self, name).model_copy(update=neutral)
+                for name in ("aggregated", "prefill", "decode")
+            }
+        )
+
+    def engine_config(self, pool: PoolConfig, model_dir: str, model_id: str) -> EngineConfig:
+        return EngineConfig(
+            model=model_dir,
+            block_size=self.block_size,
+            kv_cache_bytes=pool.kv_cache_bytes,
+            max_num_seqs=pool.max_num_seqs,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            device="cuda" if pool.num_gpus > 0 else "cpu",
+            num_threads=pool.num_threads,
+            tensor_parallel_size=pool.tensor_parallel_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            model_id=model_id,
+            handoff_timeout_s=self.handoff_timeout_s,
+        )

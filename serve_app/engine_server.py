@@ -1,0 +1,205 @@
+"""One engine replica of a pool: the Ray Serve deployment class behind every pool.
+
+A replica owns an `AsyncEngine` (its TP ranks, if any, are Ray actors of their own) and
+plays one role:
+
+- "aggregated": `generate` runs the whole request here;
+- "prefill": `prefill` computes the prompt, samples the first token and returns it with
+  the KV blocks the caller lacks (the blocks are released here as they leave);
+- "decode": `generate` asks the prefill pool for the first token and the missing blocks,
+  imports them and decodes. Decode drives the handoff because it is the side that knows
+  which blocks it already holds, so only the rest ever travels.
+
+Each replica publishes its prefix cache's stored/evicted block hashes to the prefix
+registry, and its load and KV usage to Serve's request router (`record_routing_stats`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.config import AppConfig
+from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
+from serve_app.protocol import EngineRequest, PrefillResult
+from serve_app.status_board import get_or_create_board
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.block_hash import BlockHash
+from workers.engine.engine import RequestOutput
+from workers.engine.kv_transfer import StalePrefixError
+from workers.model.loader import model_identity
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("aggregated", "prefill", "decode")
+# A decode replica may evict the prefix it counted on between asking for the blocks and
+# importing them; it then asks again for more blocks, a bounded number of times.
+_MAX_STALE_RETRIES = 3
+
+
+@dataclass
+class HandoffStats:
+    """What this decode replica's imports cost, in total (for status and metrics)."""
+
+    num_handoffs: int = 0
+    num_bytes: int = 0
+    blocks_received: int = 0
+    # Export + transfer (including the call to the prefill pool, minus its prefill) + import.
+    seconds: float = 0.0
+    # The prefill pool's own compute for those requests, to set the handoff against.
+    prefill_seconds: float = 0.0
+    num_stale_retries: int = 0
+
+
+class EngineServer:
+    def __init__(self, config: AppConfig, role: str, prefill_pool: DeploymentHandle | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if (role == "decode") != (prefill_pool is not None):
+            raise ValueError("a decode replica needs the prefill pool's handle; others none")
+        self.role = role
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        pool = config.pools()[role]
+        model_dir = config.model_dir()
+        engine_config = config.engine_config(pool, str(model_dir), model_identity(model_dir))
+        self.registry = get_or_create_registry(PrefixRegistryConfig(name=config.registry_name))
+        self.board = get_or_create_board(config.status_board_name)
+        self.engine = AsyncEngine.from_config(engine_config, on_kv_events=self._publish)
+        self.prefill_pool = prefill_pool
+        self.handoff = HandoffStats()
+        logger.info("%s replica %s ready (%s)", role, self.replica_id, model_dir)
+
+    def _publish(self, stored: list[BlockHash], evicted: list[BlockHash]) -> None:
+        # Runs on the engine thread once per step: hand the batch off, never wait.
+        self.registry.publish.remote(self.replica_id, stored, evicted)
+
+    # -- requests --------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs (aggregated and decode roles)."""
+        if self.role == "prefill":
+            raise ValueError("a prefill replica runs prefill(), not generate()")
+        if self.role == "decode":
+            async for out in self._decode(request):
+                yield out
+            return
+        stream = self.engine.generate(
+            request.request_id, list(request.prompt_token_ids), request.params, request.cache_salt
+        )
+        async for out in stream:
+            yield out
+
+    async def prefill(self, request: EngineRequest, skip_blocks: int) -> PrefillResult:
+        """Prefills the prompt and returns the first token with the blocks from
+        `skip_blocks` on; the blocks are released here once copied out."""
+        if self.role != "prefill":
+            raise ValueError(f"a {self.role} replica does not run prefill()")
+        rid = request.request_id
+        start = time.perf_counter()
+        final = None
+        stream = self.engine.generate(
+            rid, list(request.prompt_token_ids), request.params, request.cache_salt, True
+        )
+        async for out in stream:
+            final = out
+        assert final is not None and final.finished
+        prefill_s = time.perf_counter() - start
+        if final.handoff is None:  # the first token ended the request: nothing to hand off
+            return PrefillResult(final, None, [], prefill_s, 0.0, self.replica_id)
+        released = False
+        try:
+            # One engine command, so the blocks are released even if this task is
+            # cancelled while it waits for the copy.
+            handle, parts = await self.engine.call(
+                lambda e: (e.export_kv(rid, skip_blocks), e.release_handoff(rid))[0]
+            )
+            released = True
+        finally:
+            if not released:
+                self.engine.abort_nowait(rid)
+        export_s = time.perf_counter() - start - prefill_s
+        final.handoff = None  # the handle travels on its own field
+        return PrefillResult(final, handle, parts, prefill_s, export_s, self.replica_id)
+
+    async def _decode(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        prompt = list(request.prompt_token_ids)
+        have = await self.engine.call(
+            lambda e: e.cached_prefix_blocks(list(request.block_hashes), prompt, request.cache_salt)
+        )
+        for _ in range(_MAX_STALE_RETRIES + 1):
+            sent = time.perf_counter()
+            result: PrefillResult = await self.prefill_pool.prefill.remote(request, have)
+            received = time.perf_counter()
+            if result.handle is None:
+                yield result.output
+                return
+            imported_s = self.engine.stats().kv_import_s
+            stream = self.engine.generate_prefilled(
+                request.request_id,
+                prompt,
+                request.params,
+                result.handle,
+                result.kv_parts,
+                request.cache_salt,
+            )
+            try:
+                first = await anext(stream)
+            except StalePrefixError as e:
+                self.handoff.num_stale_retries += 1
+                have = e.num_cached_blocks
+                continue
+            self._count_handoff(
+                result, received - sent, self.engine.stats().kv_import_s - imported_s
+            )
+            yield first
+            async for out in stream:
+                yield out
+            return
+        raise RuntimeError(
+            f"request {request.request_id}: this decode replica kept evicting the prefix it "
+            f"reported ({_MAX_STALE_RETRIES} retries); it is short of KV blocks"
+        )
+
+    def _count_handoff(self, result: PrefillResult, call_s: float, import_s: float) -> None:
+        h = self.handoff
+        h.num_handoffs += 1
+        h.num_bytes += result.num_bytes
+        h.blocks_received += sum(p.num_blocks for p in result.kv_parts[:1])
+        # The call's time minus prefill's own compute is what the handoff added.
+        h.seconds += max(call_s - result.prefill_s, 0.0) + import_s
+        h.prefill_seconds += result.prefill_s
+
+    # -- Serve hooks and status --------------------------------------------------
+
+    def record_routing_stats(self) -> dict[str, float]:
+        # Serve calls this about once a second: the moment to post status too.
+        self.board.post.remote(self.replica_id, self.stats())
+        s = self.engine.stats()
+        return {
+            "num_ongoing": s.num_running + s.num_waiting + s.imports_waiting,
+            "kv_free_fraction": s.num_free_blocks / max(s.num_total_blocks, 1),
+        }
+
+    def check_health(self) -> None:
+        if not self.engine.is_healthy():
+            raise RuntimeError(f"{self.role} replica {self.replica_id}: its engine has failed")
+
+    def stats(self) -> dict:
+        """This replica's engine stats and handoff totals, for `baton status` and tests."""
+        return {
+            "role": self.role,
+            "replica_id": self.replica_id,
+            "engine": asdict(self.engine.stats()),
+            "handoff": asdict(self.handoff),
+        }
+
+    async def __del__(self) -> None:
+        # Serve calls this on graceful shutdown (scale down, redeploy).
+        self.registry.remove_replica.remote(self.replica_id)
+        self.board.remove.remote(self.replica_id)
+        await self.engine.shutdown()

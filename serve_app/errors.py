@@ -1,0 +1,44 @@
+"""What a client is told when a request fails: a kind (mapped to a gRPC status or an HTTP
+code by each surface) and one clean line, never a traceback.
+
+Errors raised in a replica reach the router wrapped by Ray (`RayTaskError`, whose text
+embeds the remote traceback); the original exception is unwrapped first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from workers.engine.async_engine import EngineDeadError, EngineOverloadedError
+
+logger = logging.getLogger(__name__)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
+        exc = exc.cause
+    return exc
+
+
+def public_error(exc: BaseException) -> tuple[str, str]:
+    """(kind, message): kind is invalid | overloaded | unavailable | cancelled | internal."""
+    cause = root_cause(exc)
+    if isinstance(cause, (EngineOverloadedError, BackPressureError)):
+        return "overloaded", f"the service is at capacity; retry later ({_line(cause)})"
+    if isinstance(cause, (EngineDeadError, RayActorError, DeploymentUnavailableError)):
+        return "unavailable", f"no healthy replica could serve the request ({_line(cause)})"
+    if isinstance(cause, ValueError):
+        return "invalid", _line(cause)
+    if isinstance(cause, asyncio.CancelledError):
+        return "cancelled", "the request was cancelled"
+    logger.error("request failed", exc_info=cause)
+    return "internal", f"internal error ({type(cause).__name__}); see the service logs"
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:1000]

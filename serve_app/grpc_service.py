@@ -1,0 +1,95 @@
+"""The gRPC surface's translations: protobuf messages <-> engine types, errors -> status.
+
+Pure functions, so the router's gRPC methods stay short and the mapping is testable
+without a server.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from serve_app.errors import public_error
+from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.prompts import PromptInput
+from workers.engine.engine import RequestOutput
+from workers.engine.sampling_params import SamplingParams, TokenLogprob
+from workers.engine.sequence import FinishReason
+
+FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+DEFAULT_MAX_TOKENS = 256
+
+
+def prompt_from_proto(which: str | None, request) -> PromptInput:
+    """The prompt of a GenerateRequest (oneof prompt) or TokenizeRequest (oneof input)."""
+    if which == "text":
+        return PromptInput(text=request.text)
+    if which == "chat":
+        return PromptInput(messages=tuple((m.role, m.content) for m in request.chat.messages))
+    if which == "token_ids":
+        return PromptInput(token_ids=tuple(request.token_ids.ids))
+    raise ValueError("prompt: set one of text, chat or token_ids")
+
+
+def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
+    def opt(name: str, default):
+        return getattr(request, name) if request.HasField(name) else default
+
+    return SamplingParams(
+        max_tokens=opt("max_tokens", DEFAULT_MAX_TOKENS),
+        temperature=opt("temperature", 1.0),
+        top_p=opt("top_p", 1.0),
+        top_k=request.top_k,
+        seed=opt("seed", None),
+        ignore_eos=request.ignore_eos,
+        stop_token_ids=tuple(request.stop_token_ids),
+        stop=tuple(request.stop),
+        logprobs=opt("logprobs", None),
+        skip_special_tokens=opt("skip_special_tokens", True),
+    )
+
+
+def _logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def response_from_outputs(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateResponse:
+    """One response for one or more consecutive outputs of a request (the unary call
+    merges all of them); the last one's finish reason and usage, if it is finished."""
+    last = outputs[-1]
+    response = pb.GenerateResponse(
+        request_id=request_id,
+        text="".join(o.new_text for o in outputs),
+        token_ids=[t for o in outputs for t in o.new_token_ids],
+        logprobs=[_logprob_to_proto(lp) for o in outputs for lp in o.new_logprobs],
+        finish_reason=FINISH_REASONS[last.finish_reason],
+    )
+    if last.finished:
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=last.num_prompt_tokens,
+                completion_tokens=last.num_output_tokens,
+                cached_prompt_tokens=last.num_cached_tokens,
+            )
+        )
+    return response
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and a traceback-free message for an exception."""
+    kind, message = public_error(exc)
+    return {
+        "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+        "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "unavailable": grpc.StatusCode.UNAVAILABLE,
+        "cancelled": grpc.StatusCode.CANCELLED,
+        "internal": grpc.StatusCode.INTERNAL,
+    }[kind], message

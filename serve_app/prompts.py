@@ -1,0 +1,94 @@
+"""The model as the router sees it: tokenizer, chat template, limits and block hashing.
+
+Both public surfaces (gRPC and OpenAI HTTP) turn a request into a `PromptInput` and
+`SamplingParams`; `ModelFrontend` tokenizes the prompt, checks the request against the
+model (the engine's own checks, so bad input is refused before it costs a replica
+anything) and hashes the prompt's full blocks exactly as the engines do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from serve_app.protocol import EngineRequest
+from workers.engine.block_hash import hash_full_blocks, root_hash
+from workers.engine.sampling_params import SamplingParams
+from workers.model.config import ModelConfig
+from workers.model.tokenizer import Tokenizer, eos_token_ids
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """Exactly one of text, chat messages or token ids."""
+
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.text, self.messages, self.token_ids)]
+        if sum(given) != 1:
+            raise ValueError("prompt: give exactly one of text, chat messages or token ids")
+
+
+class ModelFrontend:
+    def __init__(self, model_dir: Path, model_id: str, block_size: int, max_model_len: int | None):
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model_id = model_id
+        self.block_size = block_size
+        self.max_model_len = min(
+            max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = sorted(
+            eos_token_ids(model_dir, self.model_config.eos_token_ids, self.tokenizer)
+        )
+
+    def tokenize(self, prompt: PromptInput) -> list[int]:
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
+                )
+            return ids
+        if prompt.messages is not None:
+            if not prompt.messages:
+                raise ValueError("messages must hold at least one message")
+            if not self.tokenizer.has_chat_template:
+                raise ValueError("this model has no chat template; send a text prompt instead")
+            roles = {"system", "user", "assistant", "tool", "developer"}
+            for i, (role, _) in enumerate(prompt.messages):
+                if role not in roles:
+                    raise ValueError(
+                        f"messages[{i}].role must be one of {sorted(roles)}, got {role!r}"
+                    )
+            return self.tokenizer.encode_chat(
+                [{"role": r, "content": c} for r, c in prompt.messages]
+            )
+        return self.tokenizer.encode(prompt.text)
+
+    def build_request(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> EngineRequest:
+        """Checks a tokenized request; ValueError naming the field if it cannot run."""
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        params.check_against(self.vocab_size)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the context length {self.max_model_len}; shorten the prompt or "
+                "lower max_tokens"
+            )
+        hashes = hash_full_blocks(ids, self.block_size, root_hash(self.model_id, cache_salt))
+        return EngineRequest(request_id, tuple(ids), params, cache_salt, tuple(hashes))

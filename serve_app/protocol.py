@@ -1,0 +1,52 @@
+"""What the router and the engine replicas send each other (plain, picklable data).
+
+The router turns a client request into an `EngineRequest` (tokens, checked sampling
+parameters, block hashes and the registry's answer of who holds how much of the
+prefix); engine replicas stream `RequestOutput`s back. In disaggregated mode the
+decode replica asks the prefill pool for a `PrefillResult`: the first token and the
+KV blocks decode lacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from workers.engine.block_hash import BlockHash
+from workers.engine.engine import RequestOutput
+from workers.engine.kv_transfer import KVBlocks, KVHandle
+from workers.engine.sampling_params import SamplingParams
+
+# Serve's request router reads this attribute of a request's first argument.
+ROUTING_HINT_ATTR = "prefix_hits"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str | None
+    # The prompt's full blocks, hashed as every engine hashes them.
+    block_hashes: tuple[BlockHash, ...]
+    # Serve replica id -> leading blocks of this prompt the prefix registry says it holds
+    # (advisory: routing prefers long prefixes, engines confirm every block anyway).
+    prefix_hits: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The prefill replica's answer: the first sampled token's output and, unless that
+    token ended the request, the KV handle and the blocks from `skip_blocks` on."""
+
+    output: RequestOutput
+    handle: KVHandle | None
+    # One per prefill TP rank: the KVBlocks themselves (object store transport).
+    kv_parts: list[KVBlocks]
+    prefill_s: float  # request arrival at the replica -> first token sampled
+    export_s: float  # copying the blocks out of the cache
+    replica_id: str
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.data.numel() * p.data.element_size() for p in self.kv_parts)

@@ -1,0 +1,292 @@
+"""The router deployment: the service's front door, on both of Serve's proxies.
+
+gRPC (baton.v1.Baton and grpc.health.v1.Health: Serve's gRPC proxy calls the method of
+the RPC's name) and OpenAI-compatible HTTP (a FastAPI app) share one path: tokenize and
+check the request (`ModelFrontend`), ask the prefix registry which replicas hold how much
+of the prompt, and stream the engine outputs from the pool (decode, or aggregated) whose
+Serve request router places the request by those hints. Replicas detokenize and apply
+stop strings as they produce tokens, so outputs arrive here ready to send.
+"""
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from grpc_health.v1 import health_pb2
+from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
+from ray.serve.handle import DeploymentHandle
+
+from serve_app import openai_api
+from serve_app.config import AppConfig
+from serve_app.errors import public_error
+from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.grpc_service import (
+    params_from_proto,
+    prompt_from_proto,
+    response_from_outputs,
+    status_for,
+)
+from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
+from serve_app.prompts import ModelFrontend, PromptInput
+from serve_app.protocol import EngineRequest
+from workers.engine.engine import RequestOutput
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from workers.model.loader import model_identity
+
+SERVICE_NAME = "baton.v1.Baton"
+_HTTP_STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500}
+_HTTP_ERROR_TYPE = {
+    "invalid": "invalid_request_error",
+    "overloaded": "overloaded_error",
+    "unavailable": "service_unavailable_error",
+    "internal": "internal_error",
+}
+
+http_app = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton service")
+
+
+def _http_error(exc: BaseException) -> JSONResponse:
+    kind, message = public_error(exc)
+    status = _HTTP_STATUS.get(kind, 500)
+    return JSONResponse(openai_api.error_body(message, _HTTP_ERROR_TYPE.get(kind, kind)), status)
+
+
+async def _sse(
+    builder: openai_api.ResponseBuilder,
+    first: RequestOutput,
+    rest: AsyncIterator[RequestOutput],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    last = first
+    yield builder.chunk(first, first=True)
+    try:
+        async for out in rest:
+            last = out
+            yield builder.chunk(out)
+    except Exception as e:  # mid-stream: the status line is sent, so an error event
+        kind, message = public_error(e)
+        yield f"data: {json.dumps(openai_api.error_body(message, kind))}\n\n"
+        return
+    if include_usage:
+        yield builder.usage_chunk(last)
+    yield openai_api.DONE_EVENT
+
+
+def _set_status(grpc_context: RayServegRPCContext, exc: BaseException) -> None:
+    code, message = status_for(exc)
+    grpc_context.set_code(code)
+    grpc_context.set_details(message)
+
+
+def _replica_counts() -> dict[str, int]:
+    """Running replicas per deployment of this application (from Serve's controller)."""
+    app = serve.get_replica_context().app_name
+    status = serve.status().applications.get(app)
+    if status is None:
+        return {}
+    return {name: d.replica_states.get("RUNNING", 0) for name, d in status.deployments.items()}
+
+
+# Helpers sit above the class: Serve pickles the ingress class by value when it is
+# decorated, so names it uses must already exist.
+@serve.ingress(http_app)
+class Router:
+    def __init__(
+        self,
+        config: AppConfig,
+        pool: DeploymentHandle,
+        prefill_pool: DeploymentHandle | None = None,
+    ):
+        """`pool` streams outputs (decode, or aggregated); `prefill_pool` is only counted."""
+        self.config = config
+        model_dir = config.model_dir()
+        self.model_id = model_identity(model_dir)
+        self.frontend = ModelFrontend(
+            model_dir, self.model_id, config.block_size, config.max_model_len
+        )
+        self.served_model_name = config.served_model_name or model_dir.name
+        self.registry = get_or_create_registry(PrefixRegistryConfig(name=config.registry_name))
+        self.pool = pool.options(stream=True)
+        self.stats_pools = {"decode" if prefill_pool else "aggregated": pool}
+        if prefill_pool is not None:
+            self.stats_pools["prefill"] = prefill_pool
+
+    # -- the shared path -----------------------------------------------------------
+
+    async def _engine_request(
+        self, ids: list[int], params: SamplingParams, cache_salt: str | None
+    ) -> EngineRequest:
+        # Internal ids are always fresh: two clients may send the same request_id.
+        request = self.frontend.build_request(uuid.uuid4().hex, ids, params, cache_salt)
+        if request.block_hashes:
+            hits = await self.registry.longest_prefixes.remote(list(request.block_hashes))
+            request = replace(request, prefix_hits=hits)
+        return request
+
+    async def _outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        async for out in self.pool.generate.remote(request):
+            yield out
+
+    # -- gRPC: baton.v1.Baton ----------------------------------------------------------
+
+    async def _proto_request(self, request: pb.GenerateRequest) -> EngineRequest:
+        prompt = prompt_from_proto(request.WhichOneof("prompt"), request)
+        ids = self.frontend.tokenize(prompt)
+        return await self._engine_request(
+            ids, params_from_proto(request), request.cache_salt or None
+        )
+
+    async def Generate(
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            engine_request = await self._proto_request(request)
+            async for out in self._outputs(engine_request):
+                yield response_from_outputs(rid, [out])
+        except Exception as e:
+            _set_status(grpc_context, e)
+            raise
+
+    async def GenerateUnary(
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> pb.GenerateResponse:
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            engine_request = await self._proto_request(request)
+            outputs = [out async for out in self._outputs(engine_request)]
+        except Exception as e:
+            _set_status(grpc_context, e)
+            raise
+        return response_from_outputs(rid, outputs)
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
+    ) -> pb.TokenizeResponse:
+        try:
+            ids = self.frontend.tokenize(prompt_from_proto(request.WhichOneof("input"), request))
+        except Exception as e:
+            _set_status(grpc_context, e)
+            raise
+        return pb.TokenizeResponse(token_ids=ids, count=len(ids))
+
+    async def GetModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfo:
+        counts = await asyncio.to_thread(_replica_counts)
+        pools = self.config.pools()
+        return pb.ModelInfo(
+            model_id=self.served_model_name,
+            max_model_len=self.frontend.max_model_len,
+            vocab_size=self.frontend.vocab_size,
+            block_size=self.config.block_size,
+            eos_token_ids=self.frontend.eos_token_ids,
+            has_chat_template=self.frontend.tokenizer.has_chat_template,
+            max_logprobs=MAX_LOGPROBS,
+            mode=self.config.mode,
+            prefill_tensor_parallel_size=pools.get(
+                "prefill", self.config.aggregated
+            ).tensor_parallel_size,
+            decode_tensor_parallel_size=pools.get(
+                "decode", self.config.aggregated
+            ).tensor_parallel_size,
+            num_prefill_replicas=counts.get("PrefillServer", counts.get("EngineServer", 0)),
+            num_decode_replicas=counts.get("DecodeServer", counts.get("EngineServer", 0)),
+        )
+
+    # -- gRPC: grpc.health.v1.Health ----------------------------------------------------
+
+    def _health(self, service: str) -> int | None:
+        if service in ("", SERVICE_NAME):
+            return health_pb2.HealthCheckResponse.SERVING
+        return None
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
+    ) -> health_pb2.HealthCheckResponse:
+        status = self._health(request.service)
+        if status is None:
+            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+            grpc_context.set_details(f"unknown service {request.service!r}")
+            raise ValueError(f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        # Serving for as long as this replica lives; the stream ends when the client leaves.
+        status = self._health(request.service)
+        yield health_pb2.HealthCheckResponse(
+            status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
+        )
+        while True:
+            await asyncio.sleep(3600)
+
+    # -- OpenAI-compatible HTTP -----------------------------------------------------------
+
+    @http_app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @http_app.get("/v1/models")
+    async def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "baton",
+                    "max_model_len": self.frontend.max_model_len,
+                }
+            ],
+        }
+
+    @http_app.post("/v1/completions")
+    async def completions(self, raw: Request):
+        return await self._openai(raw, openai_api.CompletionRequest, chat=False)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, raw: Request):
+        return await self._openai(raw, openai_api.ChatCompletionRequest, chat=True)
+
+    async def _openai(self, raw: Request, model: type, chat: bool):
+        try:
+            try:
+                body = await raw.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ValueError("the request body must be a JSON object") from None
+            req = openai_api.parse(model, body)
+            if req.model != self.served_model_name:
+                message = f"model {req.model!r} is not served here; use {self.served_model_name!r}"
+                body = openai_api.error_body(message, "invalid_request_error", "model")
+                return JSONResponse(body, 404)
+            prompt: PromptInput = req.prompt_input()
+            ids = self.frontend.tokenize(prompt)
+            params = req.sampling_params(self.frontend.max_model_len - len(ids))
+            engine_request = await self._engine_request(ids, params, req.cache_salt)
+            builder = openai_api.ResponseBuilder(
+                chat, engine_request.request_id, self.served_model_name, self._token_text
+            )
+            outputs = self._outputs(engine_request)
+            # The first output before answering: an engine's refusal is still a 4xx.
+            first = await anext(outputs)
+        except Exception as e:
+            return _http_error(e)
+        if not req.stream:
+            try:
+                rest = [out async for out in outputs]
+            except Exception as e:
+                return _http_error(e)
+            return builder.complete([first, *rest])
+        return StreamingResponse(
+            _sse(builder, first, outputs, req.include_usage()), media_type="text/event-stream"
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,46 @@
+"""The Serve config (the file `serve deploy` takes, KubeRay's serveConfigV2) for an AppConfig.
+
+`baton serve` and the Helm chart both deploy exactly this: one application built by
+`build_app` from the AppConfig's fields, Serve's HTTP proxy on 8000 and its gRPC proxy
+on 9000 with Baton's service, the standard health service and server reflection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve_app.config import AppConfig
+
+IMPORT_PATH = "serve_app.app:build_app"
+APP_NAME = "baton"
+HTTP_PORT = 8000
+GRPC_PORT = 9000
+# Services Serve's gRPC proxy registers and routes to the router deployment (a method of
+# the same name answers each RPC). Server reflection is the proxy's own (enable_reflection).
+GRPC_SERVICER_FUNCTIONS = (
+    "serve_app.grpc_api.baton_pb2_grpc.add_BatonServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+)
+
+
+def serve_config(
+    config: AppConfig, *, http_port: int = HTTP_PORT, grpc_port: int = GRPC_PORT
+) -> dict[str, Any]:
+    """A dict that `ray.serve.schema.ServeDeploySchema` accepts, deploying `config`."""
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": http_port},
+        "grpc_options": {
+            "port": grpc_port,
+            "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
+            "enable_reflection": True,
+        },
+        "applications": [
+            {
+                "name": APP_NAME,
+                "route_prefix": "/",
+                "import_path": IMPORT_PATH,
+                "args": config.model_dump(mode="json", exclude_defaults=True),
+            }
+        ],
+    }

@@ -1,0 +1,150 @@
+"""The operator commands behind `baton serve`, `baton scale`, `baton status`, `baton stop`.
+
+They run in a short-lived driver: connect to the cluster (RAY_ADDRESS, or a local head
+this module starts and leaves running), act through Serve's Python API, and exit.
+Scaling redeploys the same application with one pool's replica count changed; every
+deployment's version is pinned to its replicas' arguments (app.py), so Serve only adds
+or drains that pool's replicas and in-flight requests carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+
+from serve_app.config import AppConfig
+from serve_app.serve_config import APP_NAME, GRPC_PORT, GRPC_SERVICER_FUNCTIONS, HTTP_PORT
+from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
+
+log = logging.getLogger("baton")
+
+LOCAL_HEAD_MIN_CPUS = 8
+
+
+def connect(address: str | None = None, start_if_missing: bool = False) -> None:
+    """Joins RAY_ADDRESS (or `address`); with neither, a local head, started if asked."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
+    if address:
+        ray.init(address=address, **kwargs)
+        return
+    try:
+        ray.init(address="auto", **kwargs)
+        return
+    except ConnectionError:
+        if not start_if_missing:
+            raise ConnectionError(
+                "no Ray cluster found: start one with `baton serve`, or set RAY_ADDRESS"
+            ) from None
+    ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    log.info("starting a local Ray head (stop it with `baton stop`)")
+    # Logical CPUs, not cores: a one-machine service's router, pools and TP ranks must
+    # all be placeable even on a small box (they share its cores either way).
+    num_cpus = max(os.cpu_count() or 1, LOCAL_HEAD_MIN_CPUS)
+    subprocess.run(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--num-cpus={num_cpus}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        check=True,
+        # The daemons it leaves behind inherit these: a pipe would never reach EOF.
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ray.init(address="auto", **kwargs)
+
+
+def deploy(
+    config: AppConfig,
+    *,
+    app_name: str = APP_NAME,
+    http_port: int = HTTP_PORT,
+    grpc_port: int = GRPC_PORT,
+    http_host: str = "0.0.0.0",
+    route_prefix: str = "/",
+) -> None:
+    """Deploys (or updates in place) the application; returns once it is running."""
+    from serve_app.app import build_app
+
+    app = build_app(config)  # validates before anything starts
+    serve.start(
+        http_options={"host": http_host, "port": http_port},
+        grpc_options={
+            "port": grpc_port,
+            "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
+        },
+    )
+    serve.run(app, name=app_name, route_prefix=route_prefix)
+    board = get_or_create_board(config.status_board_name)
+    deployed = {"config": config.model_dump(mode="json"), "route_prefix": route_prefix}
+    ray.get(board.set_config.remote(app_name, deployed))
+
+
+def deployed(
+    app_name: str = APP_NAME, board_name: str = DEFAULT_BOARD_NAME
+) -> tuple[AppConfig, str]:
+    """The config and route prefix `baton serve` deployed the application with."""
+    stored = ray.get(get_or_create_board(board_name).config.remote(app_name))
+    if stored is None:
+        raise ValueError(
+            f"application {app_name!r} was not deployed by `baton serve`; scale it through "
+            "its Serve config instead (e.g. `helm upgrade --set prefill.replicas=N`)"
+        )
+    return AppConfig.model_validate(stored["config"]), stored["route_prefix"]
+
+
+def scale(pool: str, num_replicas: int, app_name: str = APP_NAME) -> AppConfig:
+    """Sets one pool's replica count (turning its autoscaling off) and redeploys."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    config, route_prefix = deployed(app_name)
+    if pool not in config.pools():
+        raise ValueError(
+            f"pool must be one of {sorted(config.pools())} in {config.mode} mode, got {pool!r}"
+        )
+    current = getattr(config, pool)
+    update = {"num_replicas": num_replicas, "autoscaling": None}
+    config = config.model_copy(update={pool: current.model_copy(update=update)})
+    # Serve is running: serve.start() inside keeps its ports whatever deploy() passes.
+    deploy(config, app_name=app_name, route_prefix=route_prefix)
+    return config
+
+
+def status(app_name: str = APP_NAME, board_name: str = DEFAULT_BOARD_NAME) -> dict[str, Any]:
+    """The application's deployments (Serve's view) and its replicas' last posted stats."""
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        raise ValueError(f"no application {app_name!r} is deployed; run `baton serve`")
+    snapshots = ray.get(get_or_create_board(board_name).snapshots.remote())
+    return {
+        "application": app_name,
+        "status": str(app.status.value if hasattr(app.status, "value") else app.status),
+        "deployments": {
+            name: {
+                "status": str(d.status.value if hasattr(d.status, "value") else d.status),
+                "replicas": dict(d.replica_states),
+            }
+            for name, d in app.deployments.items()
+        },
+        "replicas": sorted(snapshots, key=lambda s: (s["role"], s["replica_id"])),
+    }
+
+
+def stop() -> None:
+    """Shuts Serve down and stops the local Ray head, if this machine runs one."""
+    serve.shutdown()
+    ray.shutdown()
+    ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    subprocess.run([ray_bin, "stop"], check=False, stdout=subprocess.DEVNULL)

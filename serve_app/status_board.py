@@ -1,0 +1,48 @@
+"""Where engine replicas post their latest stats, and `baton serve` the deployed config.
+
+Serve has no public call that reaches every replica of a deployment, so each replica
+posts a snapshot here each time Serve collects its routing stats (about once a second);
+`baton status` reads them all at once. Snapshots older than `max_age_s` belong to
+replicas that are gone and are left out. `baton scale` starts from the config kept here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+BOARD_NAMESPACE = "baton"
+DEFAULT_BOARD_NAME = "baton-status"
+
+
+class StatusBoard:
+    def __init__(self) -> None:
+        self._posts: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._configs: dict[str, dict[str, Any]] = {}
+
+    def set_config(self, app_name: str, config: dict[str, Any]) -> None:
+        self._configs[app_name] = config
+
+    def config(self, app_name: str) -> dict[str, Any] | None:
+        return self._configs.get(app_name)
+
+    def post(self, replica_id: str, snapshot: dict[str, Any]) -> None:
+        self._posts[replica_id] = (time.monotonic(), snapshot)
+
+    def remove(self, replica_id: str) -> None:
+        self._posts.pop(replica_id, None)
+
+    def snapshots(self, max_age_s: float = 10.0) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        self._posts = {r: p for r, p in self._posts.items() if now - p[0] <= max_age_s}
+        return [snapshot for _, snapshot in self._posts.values()]
+
+
+def get_or_create_board(name: str) -> ray.actor.ActorHandle:
+    """The named board actor (Ray must be initialised); detached, created on first use."""
+    actor = ray.remote(StatusBoard).options(
+        name=name, namespace=BOARD_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0
+    )
+    return actor.remote()

@@ -1,0 +1,92 @@
+"""build_app: validation against the model, the deployment graph, pinned versions."""
+
+from __future__ import annotations
+
+import pytest
+from ray.serve.schema import ServeDeploySchema
+from tiny_model import make_tiny_model
+
+from serve_app.app import DEPLOYMENT_NAMES, build_app, validate
+from serve_app.config import AppConfig, AutoscalingConfig, PoolConfig
+from serve_app.serve_config import GRPC_PORT, IMPORT_PATH, serve_config
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # 6 query heads and 3 KV heads: TP 1 and 3 divide them, 2 does not.
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny"), num_heads=6, num_kv_heads=3, hidden_size=48
+    )
+
+
+def test_a_tp_degree_that_does_not_divide_the_heads_is_refused_naming_the_pool(model_dir):
+    validate(AppConfig(model=str(model_dir), prefill=PoolConfig(tensor_parallel_size=3)))
+    bad = AppConfig(model=str(model_dir), decode=PoolConfig(tensor_parallel_size=2))
+    with pytest.raises(
+        ValueError, match=r"decode.tensor_parallel_size=2 .* valid degrees: \[1, 3\]"
+    ):
+        build_app(bad)
+
+
+def test_a_pool_without_replicas_or_autoscaling_is_refused(model_dir):
+    with pytest.raises(ValueError, match="prefill.num_replicas must be >= 1"):
+        validate(AppConfig(model=str(model_dir), prefill=PoolConfig(num_replicas=0)))
+    scaled = PoolConfig(
+        num_replicas=0, autoscaling=AutoscalingConfig(min_replicas=0, max_replicas=2)
+    )
+    validate(AppConfig(model=str(model_dir), prefill=scaled))
+
+
+def test_a_missing_model_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        build_app({"model": str(tmp_path / "nowhere")})
+
+
+def test_unknown_or_out_of_range_fields_are_refused():
+    with pytest.raises(ValueError, match="transport"):
+        AppConfig.model_validate({"transport": "carrier-pigeon"})
+    with pytest.raises(ValueError, match="num_replicas"):
+        AppConfig.model_validate({"prefill": {"num_replicas": -1}})
+    with pytest.raises(ValueError, match="prefil"):
+        AppConfig.model_validate({"prefil": {}})
+    with pytest.raises(ValueError, match="min_replicas"):
+        AutoscalingConfig(min_replicas=3, max_replicas=2)
+
+
+def test_the_graph_has_a_router_and_one_deployment_per_pool(model_dir):
+    for mode, pools in [("aggregated", ["aggregated"]), ("disaggregated", ["prefill", "decode"])]:
+        app = build_app({"model": str(model_dir), "mode": mode})
+        names = {d.name for d in _deployments(app)}
+        assert names == {"Router", *(DEPLOYMENT_NAMES[p] for p in pools)}
+
+
+def _deployments(app) -> list:
+    """Every deployment of an application graph (bound deployments are init args)."""
+    seen, stack = [], [app]
+    while stack:
+        deployment = stack.pop()._bound_deployment
+        seen.append(deployment)
+        stack.extend(a for a in deployment.init_args if hasattr(a, "_bound_deployment"))
+    return seen
+
+
+def test_rescaling_leaves_every_deployment_version_unchanged(model_dir):
+    """Replicas are built from the config without replica counts, and versions are pinned
+    to that: a redeploy that only rescales must not restart any replica."""
+    base = AppConfig(model=str(model_dir))
+    scaled = base.model_copy(update={"prefill": PoolConfig(num_replicas=4)})
+    assert base.without_scale() == scaled.without_scale()
+
+    def versions(config: AppConfig) -> dict[str, str]:
+        return {d.name: d.version for d in _deployments(build_app(config))}
+
+    assert versions(base) == versions(scaled) and all(versions(base).values())
+    assert versions(base.model_copy(update={"block_size": 32})) != versions(base)
+
+
+def test_the_serve_config_is_one_valid_application_of_build_app():
+    config = AppConfig(prefill=PoolConfig(num_replicas=2, tensor_parallel_size=3))
+    schema = ServeDeploySchema.model_validate(serve_config(config))
+    (app,) = schema.applications
+    assert app.import_path == IMPORT_PATH and schema.grpc_options.port == GRPC_PORT
+    assert AppConfig.model_validate(app.args) == config

@@ -1,0 +1,102 @@
+"""Protobuf <-> engine translations and error -> status mapping of the gRPC surface."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from ray.exceptions import RayTaskError
+
+from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.grpc_service import (
+    DEFAULT_MAX_TOKENS,
+    params_from_proto,
+    prompt_from_proto,
+    response_from_outputs,
+    status_for,
+)
+from workers.engine.async_engine import EngineDeadError, EngineOverloadedError
+from workers.engine.engine import RequestOutput
+from workers.engine.sampling_params import TokenLogprob
+from workers.engine.sequence import FinishReason
+
+
+def test_unset_optional_fields_take_the_defaults_and_set_ones_are_kept():
+    params = params_from_proto(pb.GenerateRequest(text="x"))
+    assert (params.max_tokens, params.temperature, params.top_p) == (DEFAULT_MAX_TOKENS, 1.0, 1.0)
+    assert params.seed is None and params.logprobs is None and params.skip_special_tokens
+    request = pb.GenerateRequest(
+        text="x", max_tokens=7, temperature=0.0, seed=3, logprobs=2, stop=["\n"], top_k=5
+    )
+    params = params_from_proto(request)
+    assert (params.max_tokens, params.temperature, params.seed, params.logprobs) == (7, 0.0, 3, 2)
+    assert params.stop == ("\n",) and params.top_k == 5
+
+
+def test_an_explicit_zero_is_not_mistaken_for_unset():
+    with pytest.raises(ValueError, match="max_tokens"):
+        params_from_proto(pb.GenerateRequest(text="x", max_tokens=0))
+
+
+def test_each_prompt_kind_converts_and_a_missing_prompt_is_refused():
+    req = pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    )
+    assert prompt_from_proto("chat", req).messages == (("user", "hi"),)
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]))
+    assert prompt_from_proto("token_ids", req).token_ids == (1, 2)
+    with pytest.raises(ValueError, match="prompt"):
+        prompt_from_proto(None, pb.GenerateRequest())
+
+
+def test_outputs_merge_into_one_response_with_usage_at_the_end():
+    lp = TokenLogprob(5, -0.5, ((5, -0.5), (6, -1.0)))
+    outs = [
+        RequestOutput("r", [5], "a", [lp]),
+        RequestOutput(
+            "r",
+            [6],
+            "b",
+            [],
+            True,
+            FinishReason.LENGTH,
+            num_prompt_tokens=3,
+            num_output_tokens=2,
+            num_cached_tokens=1,
+        ),
+    ]
+    response = response_from_outputs("client-id", outs)
+    assert (response.request_id, response.text, list(response.token_ids)) == (
+        "client-id",
+        "ab",
+        [5, 6],
+    )
+    assert response.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (3, 2)
+    assert response.usage.cached_prompt_tokens == 1
+    assert [t.token_id for t in response.logprobs[0].top_logprobs] == [5, 6]
+    assert not response_from_outputs("r", outs[:1]).HasField("usage")
+
+
+def _wrapped(exc: BaseException) -> RayTaskError:
+    return RayTaskError("fn", "Traceback (most recent call last): ...", exc).as_instanceof_cause()
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (ValueError("top_p must be in (0, 1], got 5"), grpc.StatusCode.INVALID_ARGUMENT),
+        (EngineOverloadedError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (EngineDeadError("dead"), grpc.StatusCode.UNAVAILABLE),
+        (asyncio.CancelledError(), grpc.StatusCode.CANCELLED),
+        (KeyError("bug"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_errors_map_to_status_codes_without_tracebacks(exc, code):
+    for raised in (exc, _wrapped(exc)):
+        got, message = status_for(raised)
+        assert got == code
+        assert "Traceback" not in message and "\n" not in message
+    if isinstance(exc, ValueError):
+        assert status_for(_wrapped(exc))[1] == str(exc)

@@ -1,0 +1,69 @@
+"""ModelFrontend: the router's tokenization, request checks and block hashing."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_model import make_tiny_model
+
+from serve_app.prompts import ModelFrontend, PromptInput
+from workers.engine.block_hash import hash_full_blocks, root_hash
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def frontend(model_dir):
+    return ModelFrontend(model_dir, "tiny-id", block_size=4, max_model_len=256)
+
+
+def test_prompts_tokenize_as_the_engine_tokenizes(frontend, model_dir):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=8))
+    assert frontend.tokenize(PromptInput(text="hello")) == engine.tokenizer.encode("hello")
+    messages = [{"role": "user", "content": "hi"}]
+    chat = frontend.tokenize(PromptInput(messages=(("user", "hi"),)))
+    assert chat == engine.tokenizer.encode_chat(messages)
+    assert frontend.tokenize(PromptInput(token_ids=(1, 2, 3))) == [1, 2, 3]
+
+
+def test_block_hashes_are_the_engines_hashes_under_the_salt(frontend):
+    ids = list(range(1, 11))
+    request = frontend.build_request("r", ids, SamplingParams(max_tokens=2), "tenant")
+    assert list(request.block_hashes) == hash_full_blocks(ids, 4, root_hash("tiny-id", "tenant"))
+    assert len(request.block_hashes) == 2  # the trailing partial block has no hash
+    other = frontend.build_request("r", ids, SamplingParams(max_tokens=2), None)
+    assert other.block_hashes[0] != request.block_hashes[0]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "named"),
+    [
+        (PromptInput(token_ids=(1, 999)), "prompt token ids must be in"),
+        (PromptInput(messages=()), "messages"),
+        (PromptInput(messages=(("wizard", "x"),)), "messages[0].role"),
+    ],
+)
+def test_bad_prompts_name_the_field(frontend, prompt, named):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[")):
+        frontend.tokenize(prompt)
+
+
+def test_requests_beyond_the_context_or_vocabulary_are_refused(frontend):
+    with pytest.raises(ValueError, match="exceeds the context length 256"):
+        frontend.build_request("r", [1] * 200, SamplingParams(max_tokens=100), None)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        frontend.build_request("r", [1], SamplingParams(stop_token_ids=(5000,)), None)
+    with pytest.raises(ValueError, match="at least one token"):
+        frontend.build_request("r", [], SamplingParams(), None)
+
+
+def test_a_prompt_is_exactly_one_kind():
+    with pytest.raises(ValueError, match="exactly one"):
+        PromptInput(text="a", token_ids=(1,))
+    with pytest.raises(ValueError, match="exactly one"):
+        PromptInput()

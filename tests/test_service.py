@@ -1,0 +1,331 @@
+"""The service end to end: real Ray, real Serve proxies, the real SmolLM2 model.
+
+Two applications share one Serve instance: "disagg" (prefill TP 3 -> decode TP 1, so
+KV heads are re-split on every handoff) and "agg" (one aggregated pool). Clients are
+the ones users run: grpcio stubs through Serve's gRPC proxy and the `openai` library
+through Serve's HTTP proxy. The last test checks that every request of the module,
+cancelled ones included, gave all its KV blocks back on every pool.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from ray import serve
+
+from serve_app import service_ops
+from serve_app.client import BatonClient, generate_request
+from serve_app.config import AppConfig, PoolConfig
+from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+KV = 48 * 2**20  # per engine: room for the module's requests, small enough for 9 processes
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a haiku about the sea.",
+    "1, 1, 2, 3, 5, 8,",
+]
+MAX_TOKENS = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, smollm2_dir):
+    http_port, grpc_port = _free_port(), _free_port()
+    disagg = AppConfig(
+        mode="disaggregated",
+        prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
+        decode=PoolConfig(kv_cache_bytes=KV),
+    )
+    agg = AppConfig(mode="aggregated", aggregated=PoolConfig(kv_cache_bytes=KV))
+    ports = {"http_port": http_port, "grpc_port": grpc_port, "http_host": "127.0.0.1"}
+    service_ops.deploy(disagg, app_name="disagg", route_prefix="/disagg", **ports)
+    service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **ports)
+    yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def disagg(service):
+    with BatonClient(service["grpc"], application="disagg") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def agg(service):
+    with BatonClient(service["grpc"], application="agg") as client:
+        yield client
+
+
+def _greedy(prompt, max_tokens=MAX_TOKENS, **kw) -> pb.GenerateRequest:
+    return generate_request(prompt, max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def _snapshots() -> list[dict]:
+    return ray.get(get_or_create_board(DEFAULT_BOARD_NAME).snapshots.remote(5.0))
+
+
+def _wait_all_blocks_free(timeout_s: float = 30.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snaps = _snapshots()
+        busy = [
+            s
+            for s in snaps
+            if s["engine"]["num_free_blocks"] != s["engine"]["num_total_blocks"]
+            or s["engine"]["num_running"]
+            or s["engine"]["handoffs_held"]
+        ]
+        if snaps and not busy:
+            return snaps
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still in use after {timeout_s}s: {busy or snaps}")
+        time.sleep(0.5)
+
+
+def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
+    disagg, agg, smollm2_dir
+):
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), kv_cache_bytes=KV))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = [
+        s.output_token_ids
+        for s in engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], params)
+    ]
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        assert list(agg.generate_unary(_greedy(prompt)).token_ids) == want, prompt
+        unary = disagg.generate_unary(_greedy(prompt))
+        assert list(unary.token_ids) == want, prompt
+        streamed = list(disagg.generate(_greedy(prompt)))
+        assert [t for m in streamed for t in m.token_ids] == want
+        assert "".join(m.text for m in streamed) == unary.text
+        last = streamed[-1]
+        assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        assert last.usage.completion_tokens == len(want)
+        assert last.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+
+
+def test_chat_and_token_id_prompts_and_tokenize(disagg, agg):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    chat = disagg.generate_unary(generate_request(messages=messages, max_tokens=8, temperature=0))
+    assert chat.text and chat.usage.completion_tokens == len(chat.token_ids)
+    ids = agg.tokenize(PROMPTS[0])
+    by_ids = agg.generate_unary(_greedy(ids))
+    assert by_ids.text == agg.generate_unary(_greedy(PROMPTS[0])).text
+    info = disagg.model_info()
+    assert info.mode == "disaggregated" and info.prefill_tensor_parallel_size == 3
+    assert info.vocab_size == 49152 and info.num_decode_replicas >= 1
+
+
+def test_health_check_and_server_reflection(service):
+    channel = grpc.insecure_channel(service["grpc"])
+    health = health_pb2_grpc.HealthStub(channel)
+    meta = (("application", "disagg"),)
+    for name in ("", "baton.v1.Baton"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=name), metadata=meta)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        health.Check(health_pb2.HealthCheckRequest(service="nope.Service"), metadata=meta)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    asks = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="baton.v1.Baton"),
+    ]
+    listed, described = list(reflection.ServerReflectionInfo(iter(asks)))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"baton.v1.Baton", "grpc.health.v1.Health"} <= names
+    assert described.file_descriptor_response.file_descriptor_proto
+    channel.close()
+
+
+def test_openai_client_completions_and_chat(service, agg):
+    for app in ("agg", "disagg"):
+        client = openai.OpenAI(base_url=f"{service['http']}/{app}/v1", api_key="unused")
+        (model,) = [m.id for m in client.models.list()]
+        done = client.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert done.choices[0].text == agg.generate_unary(_greedy(PROMPTS[0])).text
+        assert done.usage.completion_tokens == MAX_TOKENS
+        chunks = client.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
+
+        messages = [{"role": "user", "content": "Name a color."}]
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0
+        )
+        assert chat.choices[0].message.role == "assistant"
+        stream = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        parts = list(stream)
+        text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+        assert text == chat.choices[0].message.content
+        assert parts[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_sixteen_concurrent_streams_all_complete(disagg):
+    results: dict[int, list] = {}
+
+    def run(i: int) -> None:
+        request = generate_request(
+            f"Story number {i}: once upon a time", max_tokens=16, temperature=0.8, seed=i
+        )
+        results[i] = list(disagg.generate(request, timeout=300))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(16))
+    for messages in results.values():
+        assert messages[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        assert sum(len(m.token_ids) for m in messages) == messages[-1].usage.completion_tokens
+
+
+def _decode_stats() -> dict:
+    handle = serve.get_deployment_handle("DecodeServer", app_name="disagg")
+    return handle.stats.remote().result()
+
+
+def test_a_prefix_decode_holds_is_not_transferred_again(disagg):
+    prompt = "Here is a long shared system preamble for every request. " * 8
+    num_tokens = len(disagg.tokenize(prompt))
+    full_blocks = num_tokens // 16
+    assert full_blocks >= 4
+    before = _decode_stats()["handoff"]
+    disagg.generate_unary(_greedy(prompt, max_tokens=4))
+    middle = _decode_stats()["handoff"]
+    disagg.generate_unary(_greedy(prompt, max_tokens=4))
+    after = _decode_stats()["handoff"]
+    cold = middle["blocks_received"] - before["blocks_received"]
+    warm = after["blocks_received"] - middle["blocks_received"]
+    assert cold == -(-num_tokens // 16)  # every block of the prompt, partial one included
+    assert warm == cold - full_blocks  # decode's own prefix cache covered the full blocks
+    assert after["num_bytes"] - middle["num_bytes"] < middle["num_bytes"] - before["num_bytes"]
+
+
+def test_client_cancellation_and_deadline_free_the_blocks(disagg):
+    call = disagg.generate(_greedy("Count to a thousand:", max_tokens=400, ignore_eos=True))
+    for _, _ in zip(range(3), call, strict=False):
+        pass
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        long = _greedy("Tell me a long story.", max_tokens=400, ignore_eos=True)
+        disagg.generate_unary(long, timeout=1.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_all_blocks_free()
+
+
+BAD_GRPC = [
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": 99}, "logprobs"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"max_tokens": 100_000}, "max_tokens"),
+    ({"stop": [""]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("fields", "named"), BAD_GRPC)
+def test_bad_grpc_input_is_invalid_argument_naming_the_field(disagg, fields, named):
+    with pytest.raises(grpc.RpcError) as err:
+        disagg.generate_unary(generate_request("Hello", **fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in err.value.details() and "Traceback" not in err.value.details()
+    assert disagg.generate_unary(_greedy("Hello", max_tokens=2)).usage.completion_tokens == 2
+
+
+def test_bad_grpc_prompts(disagg):
+    for request in (pb.GenerateRequest(), generate_request([49152]), generate_request([])):
+        with pytest.raises(grpc.RpcError) as err:
+            disagg.generate_unary(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt" in err.value.details()
+
+
+def test_bad_http_input_is_400_naming_the_field(service):
+    client = openai.OpenAI(base_url=f"{service['http']}/agg/v1", api_key="unused")
+    (model,) = [m.id for m in client.models.list()]
+    for kwargs, named in [
+        ({"temperature": -2}, "temperature"),
+        ({"top_p": 7}, "top_p"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"n": 3}, "n"),
+        ({"extra_body": {"top_k": -1}}, "top_k"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=model, prompt="Hi", **kwargs)
+        assert named in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="Hi")
+    ok = client.completions.create(model=model, prompt="Hi", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_scaling_prefill_during_traffic_fails_nothing_and_the_new_replica_serves(disagg):
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def traffic(i: int) -> None:
+        n = 0
+        while not done.is_set():
+            try:
+                out = disagg.generate_unary(
+                    generate_request(f"Request {i}.{n}: say something", max_tokens=6, seed=n),
+                    timeout=120,
+                )
+                assert out.usage.completion_tokens >= 1
+            except BaseException as e:  # noqa: BLE001 - every failure is the finding
+                errors.append(e)
+            n += 1
+
+    threads = [threading.Thread(target=traffic, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        service_ops.scale("prefill", 2, app_name="disagg")
+        time.sleep(8)  # traffic on the scaled pool
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    prefill = [s for s in _snapshots() if s["role"] == "prefill"]
+    assert len(prefill) == 2
+    assert all(s["engine"]["num_steps"] > 0 for s in prefill), prefill
+
+
+def test_every_pool_gets_all_its_blocks_back(service):
+    snaps = _wait_all_blocks_free()
+    assert {s["role"] for s in snaps} == {"prefill", "decode", "aggregated"}
