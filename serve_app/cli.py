@@ -232,6 +232,14 @@ def _status(args: argparse.Namespace) -> int:
             f"prefix hit rate {e['prefix_cache_hit_rate']:.2f}  "
             f"handoffs {r['handoff']['num_handoffs']}"
         )
+        gpus = r.get("gpus", {})
+        if not gpus.get("available"):
+            print(f"    GPUs: none ({gpus.get('reason', 'not reported')})")
+        for d in gpus.get("devices", []):
+            print(
+                f"    GPU {d['index']} {d['name']}: memory {d['memory_used_bytes'] / 2**30:.1f}"
+                f"/{d['memory_total_bytes'] / 2**30:.1f} GiB, utilization {d['utilization']:.0%}"
+            )
     return 0
 
 

@@ -25,6 +25,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
+from serve_app.errors import root_cause
+from serve_app.gpu_telemetry import read_gpus
+from serve_app.metrics import ReplicaMetrics
 from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
 from serve_app.protocol import EngineRequest, PrefillResult
 from serve_app.status_board import get_or_create_board
@@ -54,6 +57,8 @@ class HandoffStats:
     # The prefill pool's own compute for those requests, to set the handoff against.
     prefill_seconds: float = 0.0
     num_stale_retries: int = 0
+    # Prompt tokens this replica computed itself because the prefill pool failed it.
+    num_recomputed_tokens: int = 0
 
 
 class EngineServer:
@@ -63,7 +68,10 @@ class EngineServer:
         if (role == "decode") != (prefill_pool is not None):
             raise ValueError("a decode replica needs the prefill pool's handle; others none")
         self.role = role
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.metrics = ReplicaMetrics(context.app_name, role, self.replica_id)
+        self.gpus = read_gpus()
         pool = config.pools()[role]
         model_dir = config.model_dir()
         engine_config = config.engine_config(pool, str(model_dir), model_identity(model_dir))
@@ -133,7 +141,14 @@ class EngineServer:
         )
         for _ in range(_MAX_STALE_RETRIES + 1):
             sent = time.perf_counter()
-            result: PrefillResult = await self.prefill_pool.prefill.remote(request, have)
+            try:
+                result: PrefillResult = await self.prefill_pool.prefill.remote(request, have)
+            except Exception as e:
+                if isinstance(root_cause(e), ValueError):
+                    raise  # the request's fault: recomputing would fail alike
+                async for out in self._recompute(request, e):
+                    yield out
+                return
             received = time.perf_counter()
             if result.handle is None:
                 yield result.output
@@ -165,21 +180,48 @@ class EngineServer:
             f"reported ({_MAX_STALE_RETRIES} retries); it is short of KV blocks"
         )
 
+    async def _recompute(
+        self, request: EngineRequest, error: BaseException
+    ) -> AsyncIterator[RequestOutput]:
+        """The prefill pool failed the handoff (a replica died, none is reachable): this
+        replica computes the prompt itself, visibly (log, counter, metric)."""
+        prompt = list(request.prompt_token_ids)
+        logger.warning(
+            "request %s: KV handoff failed (%s: %s); recomputing its %d prompt tokens here",
+            request.request_id,
+            type(root_cause(error)).__name__,
+            root_cause(error),
+            len(prompt),
+        )
+        self.handoff.num_recomputed_tokens += len(prompt)
+        self.metrics.recompute(len(prompt))
+        stream = self.engine.generate(
+            request.request_id, prompt, request.params, request.cache_salt
+        )
+        async for out in stream:
+            yield out
+
     def _count_handoff(self, result: PrefillResult, call_s: float, import_s: float) -> None:
         h = self.handoff
+        # The call's time minus prefill's own compute is what the handoff added.
+        seconds = max(call_s - result.prefill_s, 0.0) + import_s
         h.num_handoffs += 1
         h.num_bytes += result.num_bytes
         h.blocks_received += sum(p.num_blocks for p in result.kv_parts[:1])
-        # The call's time minus prefill's own compute is what the handoff added.
-        h.seconds += max(call_s - result.prefill_s, 0.0) + import_s
+        h.seconds += seconds
         h.prefill_seconds += result.prefill_s
+        self.metrics.handoff(result.num_bytes, seconds)
 
     # -- Serve hooks and status --------------------------------------------------
 
     def record_routing_stats(self) -> dict[str, float]:
-        # Serve calls this about once a second: the moment to post status too.
-        self.board.post.remote(self.replica_id, self.stats())
+        # Serve calls this about once a second: the moment to post status and metrics too.
         s = self.engine.stats()
+        if self.gpus.available:  # a machine without GPUs will not grow one
+            self.gpus = read_gpus()
+            self.metrics.gpus(self.gpus)
+        self.metrics.engine(s)
+        self.board.post.remote(self.replica_id, self.stats())
         return {
             "num_ongoing": s.num_running + s.num_waiting + s.imports_waiting,
             "kv_free_fraction": s.num_free_blocks / max(s.num_total_blocks, 1),
@@ -196,10 +238,13 @@ class EngineServer:
             "replica_id": self.replica_id,
             "engine": asdict(self.engine.stats()),
             "handoff": asdict(self.handoff),
+            "gpus": self.gpus.to_dict(),
         }
 
     async def __del__(self) -> None:
-        # Serve calls this on graceful shutdown (scale down, redeploy).
-        self.registry.remove_replica.remote(self.replica_id)
-        self.board.remove.remote(self.replica_id)
-        await self.engine.shutdown()
+        # Serve calls this on graceful shutdown (scale down, redeploy), and also after a
+        # constructor that failed part way: only undo what was done.
+        if hasattr(self, "engine"):
+            self.registry.remove_replica.remote(self.replica_id)
+            self.board.remove.remote(self.replica_id)
+            await self.engine.shutdown()

@@ -10,6 +10,7 @@ stop strings as they produce tokens, so outputs arrive here ready to send.
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -32,6 +33,7 @@ from serve_app.grpc_service import (
     response_from_outputs,
     status_for,
 )
+from serve_app.metrics import RouterMetrics
 from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
 from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
@@ -113,6 +115,7 @@ class Router:
         self.served_model_name = config.served_model_name or model_dir.name
         self.registry = get_or_create_registry(PrefixRegistryConfig(name=config.registry_name))
         self.pool = pool.options(stream=True)
+        self.metrics = RouterMetrics(serve.get_replica_context().app_name)
         self.stats_pools = {"decode" if prefill_pool else "aggregated": pool}
         if prefill_pool is not None:
             self.stats_pools["prefill"] = prefill_pool
@@ -129,26 +132,64 @@ class Router:
             request = replace(request, prefix_hits=hits)
         return request
 
-    async def _outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        async for out in self.pool.generate.remote(request):
-            yield out
+    async def _outputs(
+        self, request: EngineRequest, api: str, started: float
+    ) -> AsyncIterator[RequestOutput]:
+        """The pool's outputs for a checked request, timed and counted for the metrics."""
+        last: RequestOutput | None = None
+        last_at = started
+        status = "internal"
+        try:
+            async for out in self.pool.generate.remote(request):
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.first_token(api, now - started)
+                elif out.new_token_ids:
+                    self.metrics.next_tokens(api, now - last_at, len(out.new_token_ids))
+                last, last_at = out, now
+                yield out
+            status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        except Exception as e:
+            status = public_error(e)[0]
+            raise
+        finally:
+            finish = last.finish_reason.value if last and last.finish_reason else "none"
+            self.metrics.ended(
+                api,
+                status,
+                finish,
+                last.num_prompt_tokens if last else 0,
+                last.num_output_tokens if last else 0,
+            )
+
+    def _refused(self, api: str, exc: BaseException) -> None:
+        """Counts a request that failed before reaching a pool."""
+        self.metrics.ended(api, public_error(exc)[0])
 
     # -- gRPC: baton.v1.Baton ----------------------------------------------------------
 
-    async def _proto_request(self, request: pb.GenerateRequest) -> EngineRequest:
-        prompt = prompt_from_proto(request.WhichOneof("prompt"), request)
-        ids = self.frontend.tokenize(prompt)
-        return await self._engine_request(
-            ids, params_from_proto(request), request.cache_salt or None
-        )
+    async def _proto_outputs(self, request: pb.GenerateRequest) -> AsyncIterator[RequestOutput]:
+        started = time.perf_counter()
+        try:
+            prompt = prompt_from_proto(request.WhichOneof("prompt"), request)
+            ids = self.frontend.tokenize(prompt)
+            params = params_from_proto(request)
+            engine_request = await self._engine_request(ids, params, request.cache_salt or None)
+        except Exception as e:
+            self._refused("grpc", e)
+            raise
+        async for out in self._outputs(engine_request, "grpc", started):
+            yield out
 
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
         try:
-            engine_request = await self._proto_request(request)
-            async for out in self._outputs(engine_request):
+            async for out in self._proto_outputs(request):
                 yield response_from_outputs(rid, [out])
         except Exception as e:
             _set_status(grpc_context, e)
@@ -159,8 +200,7 @@ class Router:
     ) -> pb.GenerateResponse:
         rid = request.request_id or uuid.uuid4().hex
         try:
-            engine_request = await self._proto_request(request)
-            outputs = [out async for out in self._outputs(engine_request)]
+            outputs = [out async for out in self._proto_outputs(request)]
         except Exception as e:
             _set_status(grpc_context, e)
             raise
@@ -256,6 +296,7 @@ class Router:
         return await self._openai(raw, openai_api.ChatCompletionRequest, chat=True)
 
     async def _openai(self, raw: Request, model: type, chat: bool):
+        started = time.perf_counter()
         try:
             try:
                 body = await raw.json()
@@ -264,16 +305,21 @@ class Router:
             req = openai_api.parse(model, body)
             if req.model != self.served_model_name:
                 message = f"model {req.model!r} is not served here; use {self.served_model_name!r}"
+                self.metrics.ended("http", "invalid")
                 body = openai_api.error_body(message, "invalid_request_error", "model")
                 return JSONResponse(body, 404)
             prompt: PromptInput = req.prompt_input()
             ids = self.frontend.tokenize(prompt)
             params = req.sampling_params(self.frontend.max_model_len - len(ids))
             engine_request = await self._engine_request(ids, params, req.cache_salt)
-            builder = openai_api.ResponseBuilder(
-                chat, engine_request.request_id, self.served_model_name, self._token_text
-            )
-            outputs = self._outputs(engine_request)
+        except Exception as e:
+            self._refused("http", e)
+            return _http_error(e)
+        builder = openai_api.ResponseBuilder(
+            chat, engine_request.request_id, self.served_model_name, self._token_text
+        )
+        outputs = self._outputs(engine_request, "http", started)
+        try:
             # The first output before answering: an engine's refusal is still a 4xx.
             first = await anext(outputs)
         except Exception as e:

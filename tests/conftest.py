@@ -170,25 +170,31 @@ def smollm2_gguf(smollm2_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_metrics_port() -> int:
+    """The port of the test Ray's Prometheus metrics endpoint."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_metrics_port):
     """A private local Ray for the whole session: no dashboard, a short temp dir of its own
     (socket paths must fit in 107 bytes), a fixed metrics port, logical CPUs for TP ranks."""
     import shutil
-    import socket
     import tempfile
 
     import ray
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray.init(
         address="local",
         num_cpus=16,
         include_dashboard=False,
         _temp_dir=temp_dir,
-        _metrics_export_port=metrics_port,
+        _metrics_export_port=ray_metrics_port,
         log_to_driver=False,
         object_store_memory=200 * 2**20,
     )

@@ -1,0 +1,130 @@
+"""Baton's Prometheus metrics, recorded through Ray's metrics API.
+
+Ray exports them on every node's metrics endpoint (the one Prometheus already scrapes
+for Ray), with Ray's `ray_` prefix: `baton_time_to_first_token_seconds` is scraped as
+`ray_baton_time_to_first_token_seconds`. The router records what clients see (TTFT,
+inter-token latency, requests by finish reason and status); engine replicas record
+their pool's state (running/waiting requests, KV usage, prefix hit rate), the KV
+handoff (bytes, seconds) and the prompt tokens recomputed because a handoff failed.
+Ray exports a counter from its first increment: until a handoff fails, the recompute
+series is absent, which Prometheus reads as zero.
+"""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from serve_app.gpu_telemetry import GpuReport
+from workers.engine.engine import EngineStats
+
+_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+_ITL_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0]
+
+
+class RouterMetrics:
+    def __init__(self, app: str):
+        self._tags = {"app": app}
+        keys = ("app", "api")
+        self.ttft = Histogram(
+            "baton_time_to_first_token_seconds",
+            "Seconds from a request's arrival at the router to its first token.",
+            _LATENCY_BUCKETS,
+            keys,
+        )
+        self.itl = Histogram(
+            "baton_inter_token_latency_seconds",
+            "Seconds between consecutive tokens of one stream.",
+            _ITL_BUCKETS,
+            keys,
+        )
+        self.requests = Counter(
+            "baton_requests_total",
+            "Requests ended, by finish reason (stop, length, abort, none) and status "
+            "(ok, invalid, overloaded, unavailable, cancelled, internal).",
+            ("app", "api", "finish_reason", "status"),
+        )
+        self.prompt_tokens = Counter("baton_prompt_tokens_total", "Prompt tokens served.", keys)
+        self.generation_tokens = Counter("baton_generation_tokens_total", "Tokens generated.", keys)
+
+    def first_token(self, api: str, seconds: float) -> None:
+        self.ttft.observe(seconds, {**self._tags, "api": api})
+
+    def next_tokens(self, api: str, seconds: float, num_tokens: int) -> None:
+        tags = {**self._tags, "api": api}
+        for _ in range(num_tokens):  # outputs may carry several tokens: spread the gap
+            self.itl.observe(seconds / num_tokens, tags)
+
+    def ended(
+        self,
+        api: str,
+        status: str,
+        finish_reason: str = "none",
+        prompt_tokens: int = 0,
+        generated_tokens: int = 0,
+    ) -> None:
+        tags = {**self._tags, "api": api}
+        self.requests.inc(1, {**tags, "finish_reason": finish_reason, "status": status})
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens, tags)
+        if generated_tokens:
+            self.generation_tokens.inc(generated_tokens, tags)
+
+
+class ReplicaMetrics:
+    def __init__(self, app: str, pool: str, replica_id: str):
+        self._tags = {"app": app, "pool": pool, "replica": replica_id}
+        keys = ("app", "pool", "replica")
+        self.running = Gauge("baton_running_requests", "Requests being computed.", keys)
+        self.waiting = Gauge(
+            "baton_waiting_requests", "Requests waiting for a slot or for KV blocks.", keys
+        )
+        self.kv_usage = Gauge(
+            "baton_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use.", keys
+        )
+        self.hit_rate = Gauge(
+            "baton_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache.", keys
+        )
+        self.handoff_bytes = Counter(
+            "baton_kv_handoff_bytes_total", "KV-cache bytes received from prefill.", keys
+        )
+        self.handoff_seconds = Histogram(
+            "baton_kv_handoff_seconds",
+            "Time a KV handoff added to a request: export, transfer and import.",
+            _LATENCY_BUCKETS,
+            keys,
+        )
+        self.recomputed = Counter(
+            "baton_handoff_recomputed_prompt_tokens_total",
+            "Prompt tokens computed again because a KV handoff failed.",
+            keys,
+        )
+        self.gpu_memory_used = Gauge(
+            "baton_gpu_memory_used_bytes", "GPU memory in use.", (*keys, "device")
+        )
+        self.gpu_memory_total = Gauge(
+            "baton_gpu_memory_total_bytes", "GPU memory in all.", (*keys, "device")
+        )
+        self.gpu_utilization = Gauge(
+            "baton_gpu_utilization_ratio", "GPU busy fraction (NVML).", (*keys, "device")
+        )
+
+    def engine(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running, self._tags)
+        self.waiting.set(stats.num_waiting + stats.imports_waiting, self._tags)
+        used = stats.num_total_blocks - stats.num_free_blocks
+        self.kv_usage.set(used / max(stats.num_total_blocks, 1), self._tags)
+        self.hit_rate.set(stats.prefix_cache_hit_rate, self._tags)
+
+    def handoff(self, num_bytes: int, seconds: float) -> None:
+        self.handoff_bytes.inc(num_bytes, self._tags)
+        self.handoff_seconds.observe(seconds, self._tags)
+
+    def recompute(self, num_tokens: int) -> None:
+        self.recomputed.inc(num_tokens, self._tags)
+
+    def gpus(self, report: GpuReport) -> None:
+        for d in report.devices:
+            tags = {**self._tags, "device": str(d.index)}
+            self.gpu_memory_used.set(d.memory_used_bytes, tags)
+            self.gpu_memory_total.set(d.memory_total_bytes, tags)
+            self.gpu_utilization.set(d.utilization, tags)
