@@ -8,7 +8,7 @@ inter-token latency p50/p99 per system and concurrency, ratio.*.{agg,disagg}_ove
 and, per KV transport, the handoff time of a 512-token prompt next to its prefill time
 (ratio.handoff_over_prefill_512.<transport>).
 
-    .venv/bin/python bench/service.py [--rounds 2]
+    .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 1]
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ async def main_async(args: argparse.Namespace) -> None:
     ports = {"http_port": http_port, "grpc_port": grpc_port, "http_host": "127.0.0.1"}
     # Prefix caching off everywhere: rounds repeat prompts, and hits would measure the
     # cache rather than the serving path.
-    agg_pool = PoolConfig(num_threads=threads)
+    agg_pool = PoolConfig(num_threads=args.agg_threads)
     # The two disaggregated engines share this machine's cores: one thread each.
     apps = {"agg": AppConfig(mode="aggregated", enable_prefix_caching=False, aggregated=agg_pool)}
     for transport in TRANSPORTS:
@@ -177,7 +177,13 @@ async def main_async(args: argparse.Namespace) -> None:
                 log(f"  c{c} {system:7s} {figures['tok_s']:.1f} tok/s")
     await engine.shutdown()
 
-    context = {"model": model_dir.name, "new_tokens": NEW_TOKENS, "git_commit": git_commit()}
+    context = {
+        "model": model_dir.name,
+        "new_tokens": NEW_TOKENS,
+        "engine_threads": threads,
+        "agg_threads": args.agg_threads,
+        "git_commit": git_commit(),
+    }
     medians: dict[tuple[str, int], dict[str, float]] = {}
     for (system, c), runs in results.items():
         medians[system, c] = {k: median([f[k] for f in runs]) for k in runs[0]}
@@ -204,6 +210,12 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--agg-threads",
+        type=int,
+        default=PoolConfig().num_threads,
+        help="torch threads of the aggregated replica (default: the pool default)",
+    )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     asyncio.run(main_async(parser.parse_args()))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from serve_app.protocol import EngineRequest
 from workers.engine.block_hash import hash_full_blocks, root_hash
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampling_params import SamplingParams, check_request
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import Tokenizer, eos_token_ids
 
@@ -49,13 +49,7 @@ class ModelFrontend:
 
     def tokenize(self, prompt: PromptInput) -> list[int]:
         if prompt.token_ids is not None:
-            ids = list(prompt.token_ids)
-            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-            if bad:
-                raise ValueError(
-                    f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
-                )
-            return ids
+            return list(prompt.token_ids)  # checked with the rest in build_request
         if prompt.messages is not None:
             if not prompt.messages:
                 raise ValueError("messages must hold at least one message")
@@ -80,15 +74,6 @@ class ModelFrontend:
         cache_salt: str | None,
     ) -> EngineRequest:
         """Checks a tokenized request; ValueError naming the field if it cannot run."""
-        if not ids:
-            raise ValueError("prompt must contain at least one token")
-        params.check_against(self.vocab_size)
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the context length {self.max_model_len}; shorten the prompt or "
-                "lower max_tokens"
-            )
+        check_request(ids, params, self.vocab_size, self.max_model_len)
         hashes = hash_full_blocks(ids, self.block_size, root_hash(self.model_id, cache_salt))
         return EngineRequest(request_id, tuple(ids), params, cache_salt, tuple(hashes))

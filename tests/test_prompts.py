@@ -40,10 +40,15 @@ def test_block_hashes_are_the_engines_hashes_under_the_salt(frontend):
     assert other.block_hashes[0] != request.block_hashes[0]
 
 
+def test_out_of_vocabulary_token_ids_are_refused(frontend):
+    ids = frontend.tokenize(PromptInput(token_ids=(1, 999)))
+    with pytest.raises(ValueError, match="prompt token ids must be in"):
+        frontend.build_request("r", ids, SamplingParams(max_tokens=2), None)
+
+
 @pytest.mark.parametrize(
     ("prompt", "named"),
     [
-        (PromptInput(token_ids=(1, 999)), "prompt token ids must be in"),
         (PromptInput(messages=()), "messages"),
         (PromptInput(messages=(("wizard", "x"),)), "messages[0].role"),
     ],

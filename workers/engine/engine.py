@@ -28,7 +28,7 @@ from workers.engine.model_runner import (
     kv_cache_bytes_per_block,
 )
 from workers.engine.sampler import sample
-from workers.engine.sampling_params import SamplingParams, TokenLogprob
+from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_request
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
 from workers.model.config import ModelConfig
@@ -183,22 +183,10 @@ class LLMEngine:
         if request_id in self._requests or request_id in self.handoffs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        params.check_against(vocab)
+        check_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt)}")
         total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the context length {self.max_model_len}; shorten the prompt or "
-                "lower max_tokens"
-            )
         if self.kv.blocks_for_tokens(total) > self.kv.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens exceeds the KV cache "

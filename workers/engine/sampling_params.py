@@ -68,6 +68,26 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
 
 
+def check_request(
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    """What every request must satisfy on this model, wherever it is checked first (the
+    router, before it costs a replica anything; the engine, for any other caller)."""
+    if not prompt_token_ids:
+        raise ValueError("prompt must contain at least one token")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    params.check_against(vocab_size)
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{total} exceeds the context length {max_model_len}; shorten the prompt or "
+            "lower max_tokens"
+        )
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
