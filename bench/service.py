@@ -8,7 +8,11 @@ inter-token latency p50/p99 per system and concurrency, ratio.*.{agg,disagg}_ove
 and, per KV transport, the handoff time of a 512-token prompt next to its prefill time
 (ratio.handoff_over_prefill_512.<transport>).
 
-    .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 1]
+    .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 2] [--decode-threads 2]
+
+Threads: the in-process engine and the aggregated replica use both cores (each is the
+only engine computing); the decode replica too, since prefill is a short burst per
+request; the prefill replica one.
 """
 
 from __future__ import annotations
@@ -143,11 +147,14 @@ async def main_async(args: argparse.Namespace) -> None:
     # Prefix caching off everywhere: rounds repeat prompts, and hits would measure the
     # cache rather than the serving path.
     agg_pool = PoolConfig(num_threads=args.agg_threads)
-    # The two disaggregated engines share this machine's cores: one thread each.
     apps = {"agg": AppConfig(mode="aggregated", enable_prefix_caching=False, aggregated=agg_pool)}
     for transport in TRANSPORTS:
         apps[f"disagg_{transport}"] = AppConfig(
-            mode="disaggregated", transport=transport, enable_prefix_caching=False
+            mode="disaggregated",
+            transport=transport,
+            enable_prefix_caching=False,
+            prefill=PoolConfig(num_threads=args.prefill_threads),
+            decode=PoolConfig(num_threads=args.decode_threads),
         )
     for name, config in apps.items():
         log(f"deploying {name}")
@@ -182,6 +189,8 @@ async def main_async(args: argparse.Namespace) -> None:
         "new_tokens": NEW_TOKENS,
         "engine_threads": threads,
         "agg_threads": args.agg_threads,
+        "prefill_threads": args.prefill_threads,
+        "decode_threads": args.decode_threads,
         "git_commit": git_commit(),
     }
     medians: dict[tuple[str, int], dict[str, float]] = {}
@@ -210,12 +219,9 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument(
-        "--agg-threads",
-        type=int,
-        default=PoolConfig().num_threads,
-        help="torch threads of the aggregated replica (default: the pool default)",
-    )
+    parser.add_argument("--agg-threads", type=int, default=min(2, cpu_count()))
+    parser.add_argument("--prefill-threads", type=int, default=1)
+    parser.add_argument("--decode-threads", type=int, default=min(2, cpu_count()))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     asyncio.run(main_async(parser.parse_args()))
 

@@ -8,7 +8,8 @@ plays one role:
   the KV blocks the caller lacks (the blocks are released here as they leave);
 - "decode": `generate` asks the prefill pool for the first token and the missing blocks,
   imports them and decodes. Decode drives the handoff because it is the side that knows
-  which blocks it already holds, so only the rest ever travels.
+  which blocks it already holds, so only the rest ever travels. If the prefill pool
+  fails the handoff, decode computes the prompt itself, counted as a recompute.
 
 Each replica publishes its prefix cache's stored/evicted block hashes to the prefix
 registry, and its load and KV usage to Serve's request router (`record_routing_stats`).
