@@ -23,14 +23,24 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from workers.engine.async_commands import (
+    Abort,
+    Add,
+    Call,
+    Stream,
+    abort_output,
+    call_soon,
+    deliver,
+    fail,
+    merge_outputs,
+    resolve,
+)
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineStats, LLMEngine, RequestOutput
 from workers.engine.kv_transfer import KVBlocks, KVHandle
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -50,45 +60,6 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed or was shut down; this replica can serve nothing more."""
 
 
-@dataclass(eq=False)  # identity semantics: a stream is compared with `is`, never by value
-class _Stream:
-    """One generate() call: where its outputs go and what it has seen so far."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    num_prompt_tokens: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # Updated on the engine thread only, to describe an abort in its final output.
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class _Add:
-    stream: _Stream
-    # Queues the request in the engine (add_request or add_prefilled_request); raises
-    # (ValueError, naming the field) before changing anything if the engine refuses it.
-    submit: Callable[[LLMEngine], None]
-
-
-@dataclass
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    reply: asyncio.Future
-    reply_loop: asyncio.AbstractEventLoop
-
-
-@dataclass
-class _Abort:
-    request_id: str
-    # Set: abort only if this exact stream is still live (a consumer walking away must
-    # not abort a later request that reuses its id). None: abort whatever has the id.
-    stream: _Stream | None = None
-    # Set for abort(): resolved with whether anything was aborted.
-    reply: asyncio.Future | None = None
-    reply_loop: asyncio.AbstractEventLoop | None = None
-
-
 class AsyncEngine:
     def __init__(
         self,
@@ -105,15 +76,15 @@ class AsyncEngine:
         self.max_pending_requests = max_pending_requests
         self._cond = threading.Condition()
         # Everything below is guarded by _cond.
-        self._commands: list[_Add | _Abort | _Call] = []
-        self._commands_running: list[_Add | _Abort | _Call] = []
+        self._commands: list[Add | Abort | Call] = []
+        self._commands_running: list[Add | Abort | Call] = []
         self._num_queued_adds = 0  # adds not yet reflected in _stats.num_waiting
         self._stats = engine.stats()  # safe: the engine thread does not exist yet
         self._stopping = False
         self._engine_shut_down = False
         self._error: EngineDeadError | None = None
         # Touched by the engine thread only.
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
 
@@ -178,7 +149,7 @@ class AsyncEngine:
         reply = loop.create_future()
         with self._cond:
             self._check_alive()
-            self._commands.append(_Call(fn, reply, loop))
+            self._commands.append(Call(fn, reply, loop))
             self._cond.notify()
         return await reply
 
@@ -186,7 +157,7 @@ class AsyncEngine:
         self, request_id: str, num_prompt_tokens: int, submit: Callable[[LLMEngine], None]
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
-        stream = _Stream(request_id, loop, num_prompt_tokens)
+        stream = Stream(request_id, loop, num_prompt_tokens)
         with self._cond:
             self._check_alive()
             limit = self.max_pending_requests
@@ -195,7 +166,7 @@ class AsyncEngine:
                     f"{limit} requests are already waiting for this engine; retry later"
                 )
             self._num_queued_adds += 1
-            self._commands.append(_Add(stream, submit))
+            self._commands.append(Add(stream, submit))
             self._cond.notify()
         finished = False
         pending: RequestOutput | BaseException | None = None
@@ -215,7 +186,7 @@ class AsyncEngine:
                         pending = nxt
                         break
                     batch.append(nxt)
-                out = batch[0] if len(batch) == 1 else _merge(batch)
+                out = batch[0] if len(batch) == 1 else merge_outputs(batch)
                 finished = out.finished
                 yield out
                 if finished:
@@ -224,21 +195,21 @@ class AsyncEngine:
             if not finished:
                 # Consumer gone (closed, cancelled, client disconnect): free the blocks.
                 # Queued, not awaited: awaiting is unsafe while being cancelled.
-                self._enqueue_abort(_Abort(request_id, stream=stream))
+                self._enqueue_abort(Abort(request_id, stream=stream))
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a request by id; True if it was running or waiting. Its generate() ends
         with a finished output whose finish_reason is ABORT."""
         loop = asyncio.get_running_loop()
         reply = loop.create_future()
-        if not self._enqueue_abort(_Abort(request_id, reply=reply, reply_loop=loop)):
+        if not self._enqueue_abort(Abort(request_id, reply=reply, reply_loop=loop)):
             return False
         return await reply
 
     def abort_nowait(self, request_id: str) -> None:
         """Queues an abort without waiting (safe while being cancelled): drops a request or
         releases a held handoff."""
-        self._enqueue_abort(_Abort(request_id))
+        self._enqueue_abort(Abort(request_id))
 
     def stats(self) -> EngineStats:
         """The engine's stats as of its last step or command batch (never blocks on a step)."""
@@ -267,7 +238,7 @@ class AsyncEngine:
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
 
-    def _enqueue_abort(self, command: _Abort) -> bool:
+    def _enqueue_abort(self, command: Abort) -> bool:
         with self._cond:
             if self._error is not None or self._stopping:
                 return False  # nothing is live any more (or shutdown aborts it)
@@ -309,27 +280,27 @@ class AsyncEngine:
             logger.exception("engine thread failed; failing every request")
             self._die(exc)
 
-    def _execute(self, commands: list[_Add | _Abort | _Call]) -> int:
+    def _execute(self, commands: list[Add | Abort | Call]) -> int:
         num_adds = 0
         for command in commands:
-            if isinstance(command, _Add):
+            if isinstance(command, Add):
                 num_adds += 1
                 self._add(command)
-            elif isinstance(command, _Call):
+            elif isinstance(command, Call):
                 self._call(command)
             else:
                 self._abort(command)
         return num_adds
 
-    def _call(self, command: _Call) -> None:
+    def _call(self, command: Call) -> None:
         try:
             result = command.fn(self.engine)
         except Exception as exc:  # the caller's error (e.g. ValueError), not the engine's
-            _call_soon(command.reply_loop, _fail, command.reply, exc)
+            call_soon(command.reply_loop, fail, command.reply, exc)
             return
-        _call_soon(command.reply_loop, _resolve, command.reply, result)
+        call_soon(command.reply_loop, resolve, command.reply, result)
 
-    def _add(self, command: _Add) -> None:
+    def _add(self, command: Add) -> None:
         stream = command.stream
         try:
             command.submit(self.engine)
@@ -338,7 +309,7 @@ class AsyncEngine:
             return
         self._streams[stream.request_id] = stream
 
-    def _abort(self, command: _Abort) -> None:
+    def _abort(self, command: Abort) -> None:
         rid = command.request_id
         live = self._streams.get(rid)
         aborted = False
@@ -347,15 +318,15 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if live is not None and command.stream is None:
                 # The consumer is still reading: tell it how its request ended.
-                self._send({live.loop: [(live, _abort_output(live))]})
+                self._send({live.loop: [(live, abort_output(live))]})
         if command.reply is not None and command.reply_loop is not None:
-            _call_soon(command.reply_loop, _resolve, command.reply, aborted)
+            call_soon(command.reply_loop, resolve, command.reply, aborted)
 
     def _abort_all(self) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for rid, stream in self._streams.items():
             self.engine.abort(rid)
-            batches.setdefault(stream.loop, []).append((stream, _abort_output(stream)))
+            batches.setdefault(stream.loop, []).append((stream, abort_output(stream)))
         self._streams.clear()
         self._send(batches)
 
@@ -374,7 +345,7 @@ class AsyncEngine:
 
     def _send(self, batches: dict[asyncio.AbstractEventLoop, list]) -> None:
         for loop, items in batches.items():
-            if not _call_soon(loop, _deliver, items):
+            if not call_soon(loop, deliver, items):
                 # The consumer's loop is gone: nobody will read these, so stop computing them.
                 for stream, _ in items:
                     if self._streams.get(stream.request_id) is stream:
@@ -397,42 +368,18 @@ class AsyncEngine:
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         # An add that already ran is both live and in the failed batch: fail it once.
         streams = {id(s): s for s in self._streams.values()}
-        streams.update({id(c.stream): c.stream for c in queued if isinstance(c, _Add)})
+        streams.update({id(c.stream): c.stream for c in queued if isinstance(c, Add)})
         for stream in streams.values():
             batches.setdefault(stream.loop, []).append((stream, _dead_error(error)))
         self._streams.clear()
         for command in queued:
-            if isinstance(command, _Abort) and command.reply is not None and command.reply_loop:
-                _call_soon(command.reply_loop, _resolve, command.reply, False)
-            elif isinstance(command, _Call):
-                _call_soon(command.reply_loop, _fail, command.reply, _dead_error(error))
+            if isinstance(command, Abort) and command.reply is not None and command.reply_loop:
+                call_soon(command.reply_loop, resolve, command.reply, False)
+            elif isinstance(command, Call):
+                call_soon(command.reply_loop, fail, command.reply, _dead_error(error))
         # Only delivers: _send's fallback would call into the broken engine.
         for loop, items in batches.items():
-            _call_soon(loop, _deliver, items)
-
-
-def _merge(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one request as one: their tokens, text and logprobs in
-    order, the last one's state (finished, finish reason, counts, handoff)."""
-    return replace(
-        outputs[-1],
-        new_token_ids=[t for o in outputs for t in o.new_token_ids],
-        new_text="".join(o.new_text for o in outputs),
-        new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
-    )
-
-
-def _abort_output(stream: _Stream) -> RequestOutput:
-    return RequestOutput(
-        stream.request_id,
-        [],
-        "",
-        finished=True,
-        finish_reason=FinishReason.ABORT,
-        num_prompt_tokens=stream.num_prompt_tokens,
-        num_output_tokens=stream.num_output_tokens,
-        num_cached_tokens=stream.num_cached_tokens,
-    )
+            call_soon(loop, deliver, items)
 
 
 def _dead_error(error: EngineDeadError) -> EngineDeadError:
@@ -441,26 +388,3 @@ def _dead_error(error: EngineDeadError) -> EngineDeadError:
     copy = EngineDeadError(*error.args)
     copy.__cause__ = error.__cause__
     return copy
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed
-        return False
-    return True
-
-
-def _deliver(items: list[tuple[_Stream, object]]) -> None:
-    for stream, item in items:
-        stream.queue.put_nowait(item)
-
-
-def _resolve(future: asyncio.Future, value: object) -> None:
-    if not future.done():  # the awaiting task may have been cancelled
-        future.set_result(value)
-
-
-def _fail(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)

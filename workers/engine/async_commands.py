@@ -1,0 +1,102 @@
+"""What callers hand an AsyncEngine's engine thread, and how its results travel back.
+
+Commands (`Add`, `Call`, `Abort`) are queued under the AsyncEngine's lock and run on the
+engine thread between steps; outputs and replies go back to each caller's own event
+loop with `call_soon`, which never blocks the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from workers.engine.engine import LLMEngine, RequestOutput
+from workers.engine.sequence import FinishReason
+
+
+@dataclass(eq=False)  # identity semantics: a stream is compared with `is`, never by value
+class Stream:
+    """One generate() call: where its outputs go and what it has seen so far."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    num_prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Updated on the engine thread only, to describe an abort in its final output.
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Add:
+    stream: Stream
+    # Queues the request in the engine (add_request or add_prefilled_request); raises
+    # (ValueError, naming the field) before changing anything if the engine refuses it.
+    submit: Callable[[LLMEngine], None]
+
+
+@dataclass
+class Call:
+    fn: Callable[[LLMEngine], Any]
+    reply: asyncio.Future
+    reply_loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class Abort:
+    request_id: str
+    # Set: abort only if this exact stream is still live (a consumer walking away must
+    # not abort a later request that reuses its id). None: abort whatever has the id.
+    stream: Stream | None = None
+    # Set for abort(): resolved with whether anything was aborted.
+    reply: asyncio.Future | None = None
+    reply_loop: asyncio.AbstractEventLoop | None = None
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in
+    order, the last one's state (finished, finish reason, counts, handoff)."""
+    return replace(
+        outputs[-1],
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outputs),
+        new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
+    )
+
+
+def abort_output(stream: Stream) -> RequestOutput:
+    return RequestOutput(
+        stream.request_id,
+        [],
+        "",
+        finished=True,
+        finish_reason=FinishReason.ABORT,
+        num_prompt_tokens=stream.num_prompt_tokens,
+        num_output_tokens=stream.num_output_tokens,
+        num_cached_tokens=stream.num_cached_tokens,
+    )
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed
+        return False
+    return True
+
+
+def deliver(items: list[tuple[Stream, object]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def resolve(future: asyncio.Future, value: object) -> None:
+    if not future.done():  # the awaiting task may have been cancelled
+        future.set_result(value)
+
+
+def fail(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
