@@ -139,6 +139,7 @@ def _generate_remote(args: argparse.Namespace, messages: list[dict] | None) -> i
     import grpc
 
     from serve_app.client import BatonClient, generate_request
+    from serve_app.grpc_api import baton_pb2 as pb
 
     sampling = {k: v for k, v in _sampling(args).items() if v is not None}
     request = generate_request(
@@ -158,7 +159,7 @@ def _generate_remote(args: argparse.Namespace, messages: list[dict] | None) -> i
     if last is not None:
         log.info(
             "finish_reason=%s prompt_tokens=%d completion_tokens=%d cached_prompt_tokens=%d",
-            last.finish_reason,
+            pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower(),
             last.usage.prompt_tokens,
             last.usage.completion_tokens,
             last.usage.cached_prompt_tokens,
