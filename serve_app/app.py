@@ -132,5 +132,4 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
 
     if config.mode == "aggregated":
         return router.bind(replica_args, pool("aggregated"))
-    prefill = pool("prefill")
-    return router.bind(replica_args, pool("decode", prefill), prefill)
+    return router.bind(replica_args, pool("decode", pool("prefill")))

@@ -119,7 +119,7 @@ class EngineServer:
         assert final is not None and final.finished
         prefill_s = time.perf_counter() - start
         if final.handoff is None:  # the first token ended the request: nothing to hand off
-            return PrefillResult(final, None, [], prefill_s, 0.0, self.replica_id)
+            return PrefillResult(final, None, [], prefill_s)
         released = False
         try:
             # One engine command, so the blocks are released even if this task is
@@ -131,9 +131,8 @@ class EngineServer:
         finally:
             if not released:
                 self.engine.abort_nowait(rid)
-        export_s = time.perf_counter() - start - prefill_s
         final.handoff = None  # the handle travels on its own field
-        return PrefillResult(final, handle, parts, prefill_s, export_s, self.replica_id)
+        return PrefillResult(final, handle, parts, prefill_s)
 
     async def _decode(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         prompt = list(request.prompt_token_ids)

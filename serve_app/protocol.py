@@ -44,8 +44,6 @@ class PrefillResult:
     # One per prefill TP rank: the KVBlocks themselves (object store transport).
     kv_parts: list[KVBlocks]
     prefill_s: float  # request arrival at the replica -> first token sampled
-    export_s: float  # copying the blocks out of the cache
-    replica_id: str
 
     @property
     def num_bytes(self) -> int:

@@ -103,9 +103,8 @@ class Router:
         self,
         config: AppConfig,
         pool: DeploymentHandle,
-        prefill_pool: DeploymentHandle | None = None,
     ):
-        """`pool` streams outputs (decode, or aggregated); `prefill_pool` is only counted."""
+        """`pool` streams outputs: the decode pool, or the aggregated one."""
         self.config = config
         model_dir = config.model_dir()
         self.model_id = model_identity(model_dir)
@@ -116,9 +115,6 @@ class Router:
         self.registry = get_or_create_registry(PrefixRegistryConfig(name=config.registry_name))
         self.pool = pool.options(stream=True)
         self.metrics = RouterMetrics(serve.get_replica_context().app_name)
-        self.stats_pools = {"decode" if prefill_pool else "aggregated": pool}
-        if prefill_pool is not None:
-            self.stats_pools["prefill"] = prefill_pool
 
     # -- the shared path -----------------------------------------------------------
 
