@@ -165,7 +165,7 @@ async def main_async(args: argparse.Namespace) -> None:
     )
     tok = engine.engine.tokenizer
     batches = {c: [topic_prompt(tok, TOPICS[i], PROMPT_TOKENS) for i in range(c)] for c in (8, 32)}
-    disagg = f"disagg_{TRANSPORTS[0]}"
+    disagg = f"disagg_{AppConfig().transport}"  # throughput over the default transport
     systems = {
         "engine": lambda p: engine_run(engine, p),
         "agg": lambda p: service_run(address, "agg", p),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import subprocess
 import sys
 import tempfile
 from importlib import metadata, resources
@@ -55,10 +56,9 @@ def _well_known_include() -> Path:
 
 
 def _run_protoc(protos: list[Path], proto_root: Path, out: Path) -> None:
-    from grpc_tools import protoc
-
+    # In a process of its own: protoc's bundled C++ libraries (protobuf, abseil) clash
+    # with other copies a process may have loaded already (NIXL's, for one) and crash it.
     args = [
-        "grpc_tools.protoc",
         f"--proto_path={proto_root}",
         f"--proto_path={_well_known_include()}",
         f"--python_out={out}",
@@ -66,8 +66,9 @@ def _run_protoc(protos: list[Path], proto_root: Path, out: Path) -> None:
         f"--pyi_out={out}",
         *(p.as_posix() for p in protos),
     ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed (its errors are above): {' '.join(args[1:])}")
+    run = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args], check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"protoc failed (its errors are above): {' '.join(args)}")
 
 
 def _relative_imports(text: str, modules: dict[str, str]) -> str:

@@ -24,6 +24,7 @@ from ray.serve.config import RequestRouterConfig
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.engine_server import EngineServer
 from serve_app.router import Router
+from workers.engine.kv_transport import check_transport
 from workers.model.config import ModelConfig
 
 DEPLOYMENT_NAMES = {
@@ -93,7 +94,10 @@ def _pool_options(role: str, pool: PoolConfig) -> dict[str, Any]:
 
 
 def validate(config: AppConfig) -> None:
-    """Checks that need the model (TP degrees); ValueError naming the field."""
+    """Checks that need the model (TP degrees) or the environment (the transport's
+    package); ValueError naming the field."""
+    if config.mode == "disaggregated":
+        check_transport(config.transport)
     model = ModelConfig.from_pretrained(config.model_dir())
     valid = model.valid_tp_degrees()
     for role, pool in config.pools().items():

@@ -15,9 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from serve_app.status_board import DEFAULT_BOARD_NAME
 from workers.engine.config import EngineConfig
 
-# How prefill's KV blocks reach decode. "object_store": Ray's object store (works between
-# any two processes). The others are Ray Direct Transport backends; see kv_transport.py.
-Transport = Literal["object_store"]
+# How prefill's KV blocks reach decode (workers/engine/kv_transport.py): "object_store"
+# (Ray's object store, works anywhere) or "nixl" (Ray Direct Transport: each decode rank
+# pulls its KV heads straight from the prefill rank holding them).
+Transport = Literal["object_store", "nixl"]
 TRANSPORTS: tuple[str, ...] = Transport.__args__
 
 Mode = Literal["aggregated", "disaggregated"]
@@ -80,7 +81,7 @@ class AppConfig(_Frozen):
     # The name clients use (OpenAI "model", gRPC model info); defaults to the folder's name.
     served_model_name: str | None = None
     mode: Mode = "disaggregated"
-    transport: Transport = "object_store"
+    transport: Transport = "nixl"
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
@@ -141,4 +142,5 @@ class AppConfig(_Frozen):
             enable_prefix_caching=self.enable_prefix_caching,
             model_id=model_id,
             handoff_timeout_s=self.handoff_timeout_s,
+            kv_transport=self.transport,
         )

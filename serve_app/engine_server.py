@@ -36,6 +36,7 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import BlockHash
 from workers.engine.engine import RequestOutput
 from workers.engine.kv_transfer import StalePrefixError
+from workers.engine.kv_transport import KVRef, KVTransferError
 from workers.model.loader import model_identity
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class HandoffStats:
     """What this decode replica's imports cost, in total (for status and metrics)."""
 
     num_handoffs: int = 0
+    # Of those, the ones pulled straight from the prefill ranks (Ray Direct Transport).
+    num_direct: int = 0
     num_bytes: int = 0
     blocks_received: int = 0
     # Export + transfer (including the call to the prefill pool, minus its prefill) + import.
@@ -71,6 +74,7 @@ class EngineServer:
         self.role = role
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        self.app_name = context.app_name
         self.metrics = ReplicaMetrics(context.app_name, role, self.replica_id)
         self.gpus = read_gpus()
         pool = config.pools()[role]
@@ -168,6 +172,10 @@ class EngineServer:
                 self.handoff.num_stale_retries += 1
                 have = e.num_cached_blocks
                 continue
+            except KVTransferError as e:  # the prefill replica died since it answered
+                async for out in self._recompute(request, e):
+                    yield out
+                return
             self._count_handoff(
                 result, received - sent, self.engine.stats().kv_import_s - imported_s
             )
@@ -206,6 +214,7 @@ class EngineServer:
         # The call's time minus prefill's own compute is what the handoff added.
         seconds = max(call_s - result.prefill_s, 0.0) + import_s
         h.num_handoffs += 1
+        h.num_direct += any(isinstance(p, KVRef) for p in result.kv_parts)
         h.num_bytes += result.num_bytes
         h.blocks_received += sum(p.num_blocks for p in result.kv_parts[:1])
         h.seconds += seconds
@@ -234,6 +243,7 @@ class EngineServer:
     def stats(self) -> dict:
         """This replica's engine stats and handoff totals, for `baton status` and tests."""
         return {
+            "app": self.app_name,
             "role": self.role,
             "replica_id": self.replica_id,
             "engine": asdict(self.engine.stats()),

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from workers.engine.block_hash import BlockHash
 from workers.engine.engine import RequestOutput
-from workers.engine.kv_transfer import KVBlocks, KVHandle
+from workers.engine.kv_transfer import KVHandle
+from workers.engine.kv_transport import KVPart
 from workers.engine.sampling_params import SamplingParams
 
 # Serve's request router reads this attribute of a request's first argument.
@@ -41,10 +42,11 @@ class PrefillResult:
 
     output: RequestOutput
     handle: KVHandle | None
-    # One per prefill TP rank: the KVBlocks themselves (object store transport).
-    kv_parts: list[KVBlocks]
+    # One per prefill TP rank: the KVBlocks themselves (object store transport), or
+    # KVRefs to pull them from the prefill ranks (Ray Direct Transport).
+    kv_parts: list[KVPart]
     prefill_s: float  # request arrival at the replica -> first token sampled
 
     @property
     def num_bytes(self) -> int:
-        return sum(p.data.numel() * p.data.element_size() for p in self.kv_parts)
+        return sum(p.nbytes for p in self.kv_parts)

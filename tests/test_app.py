@@ -7,8 +7,9 @@ from ray.serve.schema import ServeDeploySchema
 from tiny_model import make_tiny_model
 
 from serve_app.app import DEPLOYMENT_NAMES, build_app, validate
-from serve_app.config import AppConfig, AutoscalingConfig, PoolConfig
+from serve_app.config import TRANSPORTS, AppConfig, AutoscalingConfig, PoolConfig
 from serve_app.serve_config import GRPC_PORT, IMPORT_PATH, serve_config
+from workers.engine.kv_transport import TRANSPORTS as ENGINE_TRANSPORTS
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,15 @@ def test_unknown_or_out_of_range_fields_are_refused():
         AppConfig.model_validate({"prefil": {}})
     with pytest.raises(ValueError, match="min_replicas"):
         AutoscalingConfig(min_replicas=3, max_replicas=2)
+
+
+def test_the_config_offers_exactly_the_engines_transports(model_dir):
+    assert TRANSPORTS == ENGINE_TRANSPORTS
+    for transport in TRANSPORTS:
+        config = AppConfig(model=str(model_dir), transport=transport)
+        validate(config)
+        engine = config.engine_config(config.decode, str(model_dir), "m")
+        assert engine.kv_transport == transport
 
 
 def test_the_graph_has_a_router_and_one_deployment_per_pool(model_dir):

@@ -1,4 +1,4 @@
-"""KV handoff: block export/import, head re-splitting, and prefill engine -> decode engine.
+"""KV handoff: block export/import and prefill engine -> decode engine.
 
 Fast tests run small random-weight Llamas in process; the TP tests start Ray workers and
 the SmolLM2 test runs the real model, both marked slow.
@@ -22,8 +22,8 @@ from workers.engine.kv_transfer import (
     StalePrefixError,
     export_blocks,
     import_blocks,
-    resplit,
 )
+from workers.engine.kv_transport import KVRef
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 from workers.engine.sequence import FinishReason
@@ -73,6 +73,8 @@ def _handoff(prefill, decode, rid, prompt, params=GREEDY, salt=None) -> list[Req
         return [first]
     skip = decode.cached_prefix_blocks(list(first.handoff.block_hashes), prompt, salt)
     handle, parts = prefill.export_kv(rid, skip_blocks=skip)
+    direct = prefill.config.kv_transport != "object_store"
+    assert all(isinstance(p, KVRef if direct else KVBlocks) for p in parts)
     decode.add_prefilled_request(rid, prompt, params, handle, parts, cache_salt=salt)
     assert prefill.release_handoff(rid)
     rest = _drain(decode)[rid]
@@ -135,45 +137,8 @@ def test_import_refuses_data_of_another_shape_or_rank(model_dir):
     kv = export_blocks(runner, [1, 2])
     with pytest.raises(ValueError, match="shape"):
         import_blocks(runner, [1, 2, 3], kv)
-    with pytest.raises(ValueError, match="resplit"):
+    with pytest.raises(ValueError, match="materialize"):
         import_blocks(runner, [1, 2], replace(kv, tp_rank=1, tp_size=2))
-
-
-def _parts(full: torch.Tensor, tp: int, start_block: int = 0) -> list[KVBlocks]:
-    return resplit([KVBlocks(full, 0, 1, start_block)], tp)
-
-
-@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (2, 2)])
-def test_resplit_keeps_every_head_in_order(src_tp, dst_tp):
-    full = torch.randn(3, 2, 4, 5, 4, 8)
-    parts = resplit(_parts(full, src_tp, start_block=2), dst_tp)
-    assert [(p.tp_rank, p.tp_size, p.start_block) for p in parts] == [
-        (r, dst_tp, 2) for r in range(dst_tp)
-    ]
-    assert all(p.data.shape == (3, 2, 4 // dst_tp, 5, 4, 8) for p in parts)
-    assert torch.equal(torch.cat([p.data for p in parts], dim=2), full)
-
-
-def test_resplit_refuses_bad_parts():
-    parts = _parts(torch.randn(1, 2, 4, 2, 4, 8), 2)
-    with pytest.raises(ValueError, match="divide"):
-        resplit(parts, 3)
-    with pytest.raises(ValueError, match="in order"):
-        resplit(parts[::-1], 1)
-    with pytest.raises(ValueError, match="in order"):
-        resplit(parts[:1], 1)
-    with pytest.raises(ValueError, match="does not match"):
-        resplit([parts[0], replace(parts[1], start_block=1)], 1)
-
-
-def test_tail_drops_leading_blocks():
-    kv = KVBlocks(torch.arange(2 * 2 * 1 * 4).float().view(2, 2, 1, 4, 1, 1), 0, 1, 3)
-    tail = kv.tail(5)
-    assert (tail.start_block, tail.num_blocks) == (5, 2)
-    assert torch.equal(tail.data, kv.data[:, :, :, 2:])
-    assert kv.tail(7).num_blocks == 0
-    with pytest.raises(ValueError, match="from_block"):
-        kv.tail(2)
 
 
 def test_handle_and_blocks_pickle(model_dir):
@@ -182,10 +147,10 @@ def test_handle_and_blocks_pickle(model_dir):
     out = _prefill(prefill, "p", _tokens(40, 1), seeded)
     handle, parts = prefill.export_kv("p")
     assert out.handoff == handle and isinstance(handle.first_logprob, TokenLogprob)
-    copy = pickle.loads(pickle.dumps(replace(handle, kv_refs=tuple(parts))))
-    assert replace(copy, kv_refs=()) == handle
+    copy, copied_parts = pickle.loads(pickle.dumps((handle, parts)))
+    assert copy == handle
     assert all(isinstance(h, BlockHash) for h in copy.block_hashes)
-    assert torch.equal(copy.kv_refs[0].data, parts[0].data)
+    assert torch.equal(copied_parts[0].data, parts[0].data)
     error = pickle.loads(pickle.dumps(StalePrefixError("gone", 2)))
     assert (str(error), error.num_cached_blocks) == ("gone", 2)
 
@@ -431,12 +396,21 @@ def test_mismatched_handoffs_are_refused(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "transport"),
+    [
+        (2, 1, "object_store"),
+        (1, 2, "object_store"),
+        (2, 2, "object_store"),
+        (2, 1, "nixl"),  # decode pulls each prefill rank's slice from that rank
+        (1, 2, "nixl"),  # decode pulls, then gives each of its ranks its heads
+    ],
+)
 def test_tp_degrees_may_differ_between_prefill_and_decode(
-    ray_cluster, model_dir, prefill_tp, decode_tp
+    ray_cluster, model_dir, prefill_tp, decode_tp, transport
 ):
     single = _engine(model_dir)
-    prefill = _engine(model_dir, tensor_parallel_size=prefill_tp)
+    prefill = _engine(model_dir, tensor_parallel_size=prefill_tp, kv_transport=transport)
     decode = _engine(model_dir, tensor_parallel_size=decode_tp)
     try:
         system = _tokens(2 * BLOCK, seed=80)

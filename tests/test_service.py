@@ -58,9 +58,17 @@ def service(ray_cluster, smollm2_dir):
         prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
         decode=PoolConfig(kv_cache_bytes=KV),
     )
+    # The fallback transport, prefill TP 1 -> decode TP 1.
+    disagg_os = AppConfig(
+        mode="disaggregated",
+        transport="object_store",
+        prefill=PoolConfig(kv_cache_bytes=KV),
+        decode=PoolConfig(kv_cache_bytes=KV),
+    )
     agg = AppConfig(mode="aggregated", aggregated=PoolConfig(kv_cache_bytes=KV))
     ports = {"http_port": http_port, "grpc_port": grpc_port, "http_host": "127.0.0.1"}
     service_ops.deploy(disagg, app_name="disagg", route_prefix="/disagg", **ports)
+    service_ops.deploy(disagg_os, app_name="disagg_os", route_prefix="/disagg_os", **ports)
     service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **ports)
     yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
     serve.shutdown()
@@ -69,6 +77,12 @@ def service(ray_cluster, smollm2_dir):
 @pytest.fixture(scope="module")
 def disagg(service):
     with BatonClient(service["grpc"], application="disagg") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def disagg_os(service):
+    with BatonClient(service["grpc"], application="disagg_os") as client:
         yield client
 
 
@@ -105,16 +119,18 @@ def _wait_all_blocks_free(timeout_s: float = 30.0) -> list[dict]:
 
 
 def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
-    disagg, agg, smollm2_dir
+    disagg, disagg_os, agg, smollm2_dir
 ):
     engine = LLMEngine(EngineConfig(model=str(smollm2_dir), kv_cache_bytes=KV))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    before = {app: _decode_stats(app)["handoff"] for app in ("disagg", "disagg_os")}
     expected = [
         s.output_token_ids
         for s in engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], params)
     ]
     for prompt, want in zip(PROMPTS, expected, strict=True):
         assert list(agg.generate_unary(_greedy(prompt)).token_ids) == want, prompt
+        assert list(disagg_os.generate_unary(_greedy(prompt)).token_ids) == want, prompt
         unary = disagg.generate_unary(_greedy(prompt))
         assert list(unary.token_ids) == want, prompt
         streamed = list(disagg.generate(_greedy(prompt)))
@@ -124,6 +140,12 @@ def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
         assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
         assert last.usage.completion_tokens == len(want)
         assert last.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+    after = {app: _decode_stats(app)["handoff"] for app in ("disagg", "disagg_os")}
+    # nixl (the default): every handoff pulled from the prefill ranks; the fallback: none.
+    handoffs = {app: after[app]["num_handoffs"] - before[app]["num_handoffs"] for app in after}
+    direct = {app: after[app]["num_direct"] - before[app]["num_direct"] for app in after}
+    assert handoffs["disagg"] == 2 * len(PROMPTS) and handoffs["disagg_os"] == len(PROMPTS)
+    assert direct == {"disagg": 2 * len(PROMPTS), "disagg_os": 0}
 
 
 def test_chat_and_token_id_prompts_and_tokenize(disagg, agg):
@@ -214,8 +236,8 @@ def test_sixteen_concurrent_streams_all_complete(disagg):
         assert sum(len(m.token_ids) for m in messages) == messages[-1].usage.completion_tokens
 
 
-def _decode_stats() -> dict:
-    handle = serve.get_deployment_handle("DecodeServer", app_name="disagg")
+def _decode_stats(app: str = "disagg") -> dict:
+    handle = serve.get_deployment_handle("DecodeServer", app_name=app)
     return handle.stats.remote().result()
 
 
@@ -323,7 +345,7 @@ def test_scaling_prefill_during_traffic_fails_nothing_and_the_new_replica_serves
         for t in threads:
             t.join()
     assert not errors, errors[:3]
-    prefill = [s for s in _snapshots() if s["role"] == "prefill"]
+    prefill = [s for s in _snapshots() if (s["app"], s["role"]) == ("disagg", "prefill")]
     assert len(prefill) == 2
     assert all(s["engine"]["num_steps"] > 0 for s in prefill), prefill
 

@@ -39,7 +39,8 @@ from workers.engine.async_commands import (
 )
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineStats, LLMEngine, RequestOutput
-from workers.engine.kv_transfer import KVBlocks, KVHandle
+from workers.engine.kv_transfer import KVHandle
+from workers.engine.kv_transport import KVPart, KVRef, fetch_all
 from workers.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,23 +125,33 @@ class AsyncEngine:
 
         return self._stream(request_id, len(prompt), submit)
 
-    def generate_prefilled(
+    async def generate_prefilled(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         handle: KVHandle,
-        kv_parts: list[KVBlocks],
+        kv_parts: list[KVPart],
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Like generate(), for a request another engine prefilled (LLMEngine
         .add_prefilled_request); its first output repeats the handed-over token."""
         prompt = list(prompt_token_ids)
+        if any(isinstance(p, KVRef) for p in kv_parts):
+            # Pulled from the prefill ranks here, off the engine thread: the transfer never
+            # stalls other requests' steps, and one that fails (its exporter died) fails
+            # this request before it reaches the engine.
+            kv_parts = await asyncio.to_thread(fetch_all, kv_parts)
 
         def submit(engine: LLMEngine) -> None:
             engine.add_prefilled_request(request_id, prompt, params, handle, kv_parts, cache_salt)
 
-        return self._stream(request_id, len(prompt), submit)
+        stream = self._stream(request_id, len(prompt), submit)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()  # now, not at garbage collection: it aborts the request
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs `fn(engine)` on the engine thread between steps and returns its result (or

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.kv_transport import check_transport
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,6 +39,8 @@ class EngineConfig:
     # A prefill-only request's blocks are held this long for a decode engine to
     # import them (unless released sooner), so an abandoned handoff never strands them.
     handoff_timeout_s: float = 30.0
+    # How exported blocks leave a prefill engine (workers.engine.kv_transport.TRANSPORTS).
+    kv_transport: str = "object_store"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -61,6 +65,7 @@ class EngineConfig:
             )
         if not self.handoff_timeout_s > 0:  # also rejects NaN
             raise ValueError(f"handoff_timeout_s must be > 0, got {self.handoff_timeout_s!r}")
+        check_transport(self.kv_transport)
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -19,7 +19,8 @@ from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.handoff import HeldHandoffs, KVImports
 from workers.engine.kv_cache_manager import KVCacheManager, KVEventCallback
-from workers.engine.kv_transfer import KVBlocks, KVHandle, KVLayout
+from workers.engine.kv_transfer import KVHandle, KVLayout
+from workers.engine.kv_transport import KVPart
 from workers.engine.model_runner import (
     ModelRunner,
     RunnerSpec,
@@ -134,7 +135,9 @@ class LLMEngine:
         else:
             self.runner = TPWorkerGroup(tp, spec, config.num_threads or 1)
         layout = KVLayout.of(self.model_config, config.block_size)
-        self.handoffs = HeldHandoffs(self.kv, self.runner, layout, tp, config.handoff_timeout_s)
+        self.handoffs = HeldHandoffs(
+            self.kv, self.runner, layout, tp, config.handoff_timeout_s, config.kv_transport
+        )
         self.imports = KVImports(
             self.kv, self.scheduler, self.runner, layout, tp, self.model_config.vocab_size
         )
@@ -307,9 +310,10 @@ class LLMEngine:
 
     # -- KV handoff (the protocol: handoff.py) --------------------------------
 
-    def export_kv(self, request_id: str, skip_blocks: int = 0) -> tuple[KVHandle, list[KVBlocks]]:
+    def export_kv(self, request_id: str, skip_blocks: int = 0) -> tuple[KVHandle, list[KVPart]]:
         """Prefill side: a held handoff's handle and its blocks from `skip_blocks` on, one
-        KVBlocks per TP rank in rank order; callable again until released."""
+        part per TP rank in rank order (KVBlocks, or KVRef under a direct transport);
+        callable again until released."""
         return self.handoffs.export(request_id, skip_blocks)
 
     def release_handoff(self, request_id: str) -> bool:
@@ -329,7 +333,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         handle: KVHandle,
-        kv_parts: list[KVBlocks],
+        kv_parts: list[KVPart],
         cache_salt: str | None = None,
     ) -> None:
         """Decode side: continues a request another engine prefilled, reusing this engine's

@@ -37,7 +37,8 @@ from typing import Protocol
 import torch
 
 from workers.engine.kv_cache_manager import KVCacheManager
-from workers.engine.kv_transfer import KVBlocks, KVHandle, KVLayout, StalePrefixError, resplit
+from workers.engine.kv_transfer import KVBlocks, KVHandle, KVLayout, StalePrefixError
+from workers.engine.kv_transport import KVPart, KVRef
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 
@@ -45,9 +46,11 @@ from workers.engine.sequence import Sequence
 class BlockRunner(Protocol):
     """The block calls ModelRunner and TPWorkerGroup share."""
 
-    def export_blocks(self, block_ids: list[int], start_block: int = 0) -> list[KVBlocks]: ...
+    def export_blocks(
+        self, block_ids: list[int], start_block: int, transport: str
+    ) -> list[KVPart]: ...
 
-    def import_blocks(self, block_ids: list[int], parts: list[KVBlocks]) -> None: ...
+    def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None: ...
 
 
 @dataclass
@@ -65,12 +68,14 @@ class HeldHandoffs:
         layout: KVLayout,
         tp_size: int,
         timeout_s: float,
+        transport: str,
     ):
         self.kv = kv
         self.runner = runner
         self.layout = layout
         self.tp_size = tp_size
         self.timeout_s = timeout_s
+        self.transport = transport
         self._held: dict[str, _Held] = {}
         self.num_expired = 0
         self.num_blocks_exported = 0
@@ -108,7 +113,7 @@ class HeldHandoffs:
         self._held[seq.request_id] = _Held(seq, handle, now + self.timeout_s)
         return handle
 
-    def export(self, request_id: str, skip_blocks: int) -> tuple[KVHandle, list[KVBlocks]]:
+    def export(self, request_id: str, skip_blocks: int) -> tuple[KVHandle, list[KVPart]]:
         held = self._held.get(request_id)
         if held is None:
             raise ValueError(
@@ -123,7 +128,7 @@ class HeldHandoffs:
             )
         block_ids = held.seq.block_table[skip_blocks : held.handle.num_blocks]
         start = time.perf_counter()
-        parts = self.runner.export_blocks(block_ids, skip_blocks)
+        parts = self.runner.export_blocks(block_ids, skip_blocks, self.transport)
         self.export_s += time.perf_counter() - start
         self.num_blocks_exported += len(block_ids)
         return held.handle, parts
@@ -146,8 +151,10 @@ class HeldHandoffs:
 class _Pending:
     seq: Sequence
     handle: KVHandle
-    # Already cut to the blocks this engine lacks and split to its TP degree.
-    parts: list[KVBlocks]
+    # The export as it arrived (one part per prefill rank); each of this engine's ranks
+    # takes its KV heads from `from_block` on, the blocks it lacks.
+    parts: list[KVPart]
+    from_block: int
 
 
 class KVImports:
@@ -171,7 +178,7 @@ class KVImports:
         self.num_blocks_reused = 0
         self.import_s = 0.0  # time spent writing imported blocks, all imports together
 
-    def add(self, seq: Sequence, handle: KVHandle, parts: list[KVBlocks]) -> None:
+    def add(self, seq: Sequence, handle: KVHandle, parts: list[KVPart]) -> None:
         """Checks the handoff against `seq` (its prompt, params and salt, not yet holding
         blocks) and this engine, pins the cached prefix and queues the rest for import.
 
@@ -201,11 +208,10 @@ class KVImports:
                 f"{len(cached)} of them; export again with skip_blocks={len(cached)}",
                 len(cached),
             )
-        needed = resplit([p.tail(len(cached)) for p in parts], self.tp_size)
         self.kv.attach(seq, cached)
         seq.num_cached_tokens = handle.num_cached_tokens
         self.num_blocks_reused += len(cached)
-        self.pending.append(_Pending(seq, handle, needed))
+        self.pending.append(_Pending(seq, handle, parts, len(cached)))
 
     def admit(self, max_running: int) -> list[tuple[Sequence, KVHandle]]:
         """Imports queued handoffs that fit, oldest first, while sequence slots last;
@@ -225,7 +231,7 @@ class KVImports:
             new_blocks = p.seq.block_table[held:]
             if new_blocks:
                 start = time.perf_counter()
-                self.runner.import_blocks(new_blocks, p.parts)
+                self.runner.import_blocks(new_blocks, p.parts, p.from_block)
                 self.import_s += time.perf_counter() - start
             self.num_blocks_imported += len(new_blocks)
             p.seq.num_computed_tokens = p.handle.num_tokens
@@ -269,10 +275,16 @@ class KVImports:
                 f"handle.first_logprob is for token {lp.token_id}, not {handle.first_token}"
             )
 
-    def _check_parts(self, handle: KVHandle, parts: list[KVBlocks]) -> None:
+    def _check_parts(self, handle: KVHandle, parts: list[KVPart]) -> None:
         """Shapes checked here, so a bad import never reaches (and kills) a TP rank."""
-        if not (isinstance(parts, list) and parts and all(isinstance(p, KVBlocks) for p in parts)):
-            raise ValueError("kv_parts must be a list of KVBlocks, one per prefill TP rank")
+        if not (
+            isinstance(parts, list)
+            and parts
+            and all(isinstance(p, (KVBlocks, KVRef)) for p in parts)
+        ):
+            raise ValueError(
+                "kv_parts must be a list of KVBlocks or KVRef, one per prefill TP rank"
+            )
         if len(parts) != handle.tp_size:
             raise ValueError(
                 f"kv_parts has {len(parts)} entries for a prefill TP degree of {handle.tp_size}"
@@ -302,8 +314,8 @@ class KVImports:
                     f"kv_parts[{rank}] is rank {p.tp_rank} of {p.tp_size} from block "
                     f"{p.start_block}; expected rank {rank} of {src_tp} from block {start}"
                 )
-            if tuple(p.data.shape) != shape:
+            if p.shape != shape:
                 raise ValueError(
-                    f"kv_parts[{rank}].data has shape {tuple(p.data.shape)}, expected {shape} "
+                    f"kv_parts[{rank}] has shape {p.shape}, expected {shape} "
                     "(layers, k/v, kv heads of the rank, blocks, block size, head dim)"
                 )

@@ -3,9 +3,9 @@
 A prefill engine holds a request's blocks after its first token and describes
 them with a small `KVHandle`; each of its TP ranks exports its slice of those
 blocks as one `KVBlocks`. A decode engine re-splits the slices to its own TP
-degree (`resplit`) and imports them into blocks of its own. Everything here is
-plain, picklable data; how the tensors travel (object store, Ray's tensor
-transport) is the transport layer's business.
+degree and imports them into blocks of its own. Everything here is plain,
+picklable data; how the tensors travel (object store, Ray's tensor transport)
+is `kv_transport`'s business.
 """
 
 from __future__ import annotations
@@ -56,6 +56,14 @@ class KVBlocks:
     start_block: int = 0
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
     def num_blocks(self) -> int:
         return self.data.shape[3]
 
@@ -66,19 +74,6 @@ class KVBlocks:
     def cpu(self) -> KVBlocks:
         """In host memory, as Ray's object store carries it."""
         return replace(self, data=self.data.cpu())
-
-    def tail(self, from_block: int) -> KVBlocks:
-        """The blocks from request block index `from_block` on."""
-        if not self.start_block <= from_block <= self.end_block:
-            raise ValueError(
-                f"from_block={from_block} is outside these blocks "
-                f"[{self.start_block}, {self.end_block})"
-            )
-        drop = from_block - self.start_block
-        if not drop:
-            return self
-        # A copy, not a view: a pickled view would carry the dropped blocks along.
-        return replace(self, data=self.data[:, :, :, drop:].contiguous(), start_block=from_block)
 
 
 @dataclass(frozen=True)
@@ -105,10 +100,6 @@ class KVHandle:
     # Prompt tokens the prefill engine found in its prefix cache, so decode's outputs
     # report the request's usage, not decode's own reuse.
     num_cached_tokens: int = 0
-    # Per-rank references to the KVBlocks, in rank order. Opaque here: a
-    # transport fills them (object refs, tensor-transport handles); in-process
-    # callers may put the KVBlocks themselves.
-    kv_refs: tuple[Any, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -163,7 +154,7 @@ def import_blocks(runner: KVCacheHolder, block_ids: Sequence[int], kv: KVBlocks)
     if (kv.tp_rank, kv.tp_size) != (runner.tp_rank, runner.tp_size):
         raise ValueError(
             f"KV of TP rank {kv.tp_rank} of {kv.tp_size} cannot go to rank "
-            f"{runner.tp_rank} of {runner.tp_size}; resplit it first"
+            f"{runner.tp_rank} of {runner.tp_size}; take its share with kv_transport.materialize"
         )
     first_k = runner.kv_caches[0][0]
     heads, _, dim = first_k.shape
@@ -178,40 +169,3 @@ def import_blocks(runner: KVCacheHolder, block_ids: Sequence[int], kv: KVBlocks)
     for layer, caches in enumerate(runner.kv_caches):
         for i, cache in enumerate(caches):
             _blocked(cache, runner.block_size).index_copy_(1, ids, data[layer, i])
-
-
-def resplit(parts: Sequence[KVBlocks], dst_tp: int) -> list[KVBlocks]:
-    """Re-splits the KV heads of one export (all source ranks, in rank order) over
-    `dst_tp` ranks.
-
-    Ranks own contiguous, equal runs of KV heads (rank r holds heads
-    [r * H / tp, (r + 1) * H / tp)), so the full set is the ranks' slices
-    concatenated in rank order, and each destination rank takes its run of that.
-    """
-    if not parts:
-        raise ValueError("parts must hold one KVBlocks per source TP rank, got none")
-    src_tp = len(parts)
-    ranks = [(p.tp_rank, p.tp_size) for p in parts]
-    if ranks != [(r, src_tp) for r in range(src_tp)]:
-        raise ValueError(
-            f"parts must be ranks 0..{src_tp - 1} of a TP degree of {src_tp}, in order; "
-            f"got (rank, size) {ranks}"
-        )
-    first = parts[0]
-    for p in parts[1:]:
-        if p.data.shape != first.data.shape or p.start_block != first.start_block:
-            raise ValueError(
-                f"rank {p.tp_rank}'s KV (shape {tuple(p.data.shape)}, start_block "
-                f"{p.start_block}) does not match rank 0's ({tuple(first.data.shape)}, "
-                f"{first.start_block})"
-            )
-    if dst_tp == src_tp:
-        return list(parts)
-    heads = first.data.shape[2] * src_tp
-    if dst_tp < 1 or heads % dst_tp:
-        raise ValueError(f"dst_tp={dst_tp} must be >= 1 and divide the {heads} KV heads")
-    full = first.data if src_tp == 1 else torch.cat([p.data for p in parts], dim=2)
-    return [
-        KVBlocks(chunk.contiguous(), rank, dst_tp, first.start_block)
-        for rank, chunk in enumerate(torch.split(full, heads // dst_tp, dim=2))
-    ]

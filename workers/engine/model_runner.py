@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from workers.engine import kv_transfer
-from workers.engine.kv_transfer import KVBlocks
+from workers.engine import kv_transfer, kv_transport
+from workers.engine.kv_transport import KVPart
 from workers.model.attention import AttentionMetadata, PrefillChunk
 from workers.model.config import ModelConfig
 from workers.model.loader import load_model
@@ -148,16 +148,19 @@ class ModelRunner:
         # The sampler runs on the host with host generators, as for a TP group's logits.
         return self.model.compute_logits(hidden[rows_t]).float().cpu()
 
-    def export_blocks(self, block_ids: list[int], start_block: int = 0) -> list[KVBlocks]:
-        """The blocks' K/V, one KVBlocks per rank (here the only one), in host memory:
-        like a TPWorkerGroup's, they leave the process through Ray's object store."""
-        return [kv_transfer.export_blocks(self, block_ids, start_block).cpu()]
+    def export_blocks(
+        self, block_ids: list[int], start_block: int = 0, transport: str = "object_store"
+    ) -> list[KVPart]:
+        """This rank's slice of the blocks' K/V, ready to leave the process by `transport`
+        (a list, like a TPWorkerGroup's one part per rank)."""
+        kv = kv_transfer.export_blocks(self, block_ids, start_block)
+        return [kv_transport.publish(kv, transport)]
 
-    def import_blocks(self, block_ids: list[int], parts: list[KVBlocks]) -> None:
-        """Writes K/V already split to this runner's TP degree (one part) into `block_ids`."""
-        if len(parts) != 1:
-            raise ValueError(f"an unsharded runner imports one KVBlocks, got {len(parts)}")
-        kv_transfer.import_blocks(self, block_ids, parts[0])
+    def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
+        """Writes this rank's KV heads of an export (every source rank's part, in rank
+        order), from request block `from_block` on, into `block_ids`."""
+        kv = kv_transport.materialize(parts, self.tp_rank, self.tp_size, from_block)
+        kv_transfer.import_blocks(self, block_ids, kv)
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """Cache slots of positions [0, num_tokens)."""

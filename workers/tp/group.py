@@ -8,9 +8,12 @@ the next step into a RuntimeError naming it, rather than a hang.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from workers.engine.kv_transfer import KVBlocks
+from workers.engine import kv_transport
+from workers.engine.kv_transport import KVPart
 from workers.engine.model_runner import RunnerSpec, StepInput
 from workers.tp.worker import TPWorker
 
@@ -68,20 +71,33 @@ class TPWorkerGroup:
     def execute(self, step: StepInput) -> torch.Tensor:
         return self._gather([w.execute.remote(step) for w in self._ranks()])[0]
 
-    def export_blocks(self, block_ids: list[int], start_block: int = 0) -> list[KVBlocks]:
-        """Every rank's slice of the blocks, in rank order (through Ray's object store)."""
-        return self._gather([w.export_blocks.remote(block_ids, start_block) for w in self._ranks()])
+    def export_blocks(
+        self, block_ids: list[int], start_block: int = 0, transport: str = "object_store"
+    ) -> list[KVPart]:
+        """Every rank's slice of the blocks, in rank order, as `transport` carries it."""
+        return self._gather(
+            [w.export_blocks.remote(block_ids, start_block, transport) for w in self._ranks()]
+        )
 
-    def import_blocks(self, block_ids: list[int], parts: list[KVBlocks]) -> None:
-        """Writes each rank's slice (already split to this group's TP degree) into `block_ids`."""
-        if len(parts) != self.tp_size:
-            raise ValueError(
-                f"a TP group of {self.tp_size} imports one part per rank, got {len(parts)}"
-            )
+    def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
+        """Writes each rank's KV heads of an export (every source rank's part, in rank
+        order), from request block `from_block` on, into `block_ids`.
+
+        Parts still held by their exporters are fetched here first: a transfer that fails
+        inside a rank would take the whole group down with it. (AsyncEngine fetches them
+        before the request reaches the engine, so this costs no step any time.)"""
+        ranks = self._ranks()
+        local = kv_transport.fetch_all(parts)
+        # Each rank gets only its share, contiguous, so the pickled tensor does not drag
+        # the other ranks' heads along.
+        shares = [
+            kv_transport.materialize(local, rank, self.tp_size, from_block)
+            for rank in range(self.tp_size)
+        ]
         self._gather(
             [
-                w.import_blocks.remote(block_ids, p)
-                for w, p in zip(self._ranks(), parts, strict=True)
+                w.import_blocks.remote(block_ids, replace(kv, data=kv.data.contiguous()))
+                for w, kv in zip(ranks, shares, strict=True)
             ]
         )
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from workers.engine import kv_transfer
 from workers.engine.kv_transfer import KVBlocks
+from workers.engine.kv_transport import KVPart
 from workers.engine.model_runner import ModelRunner, RunnerSpec, StepInput
 from workers.model.parallel import TPGroup
 
@@ -62,11 +63,13 @@ class TPWorker:
         logits = self._runner().execute(step)
         return logits.cpu() if self.rank == 0 else None
 
-    def export_blocks(self, block_ids: list[int], start_block: int) -> KVBlocks:
-        """This rank's slice of the blocks, in host memory for Ray's object store."""
-        return kv_transfer.export_blocks(self._runner(), block_ids, start_block).cpu()
+    def export_blocks(self, block_ids: list[int], start_block: int, transport: str) -> KVPart:
+        """This rank's slice of the blocks; under a direct transport it stays here until
+        the importer pulls it from this rank."""
+        return self._runner().export_blocks(block_ids, start_block, transport)[0]
 
     def import_blocks(self, block_ids: list[int], kv: KVBlocks) -> None:
+        """Writes this rank's share, already cut for it, into `block_ids`."""
         kv_transfer.import_blocks(self._runner(), block_ids, kv)
 
     def weight_bytes(self) -> int:

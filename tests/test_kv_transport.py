@@ -1,0 +1,115 @@
+"""How handoff KV travels: taking a rank's share of an export, and the transports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.kv_transfer import KVBlocks
+from workers.engine.kv_transport import (
+    KVRef,
+    KVTransferError,
+    check_transport,
+    fetch,
+    fetch_all,
+    materialize,
+    publish,
+)
+
+
+def _export(full: torch.Tensor, tp: int, start_block: int = 0) -> list[KVBlocks]:
+    """`full` [layers, 2, heads, blocks, block size, dim] as `tp` ranks export it."""
+    heads = full.shape[2] // tp
+    return [
+        KVBlocks(full[:, :, r * heads : (r + 1) * heads].clone(), r, tp, start_block)
+        for r in range(tp)
+    ]
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (2, 2), (4, 1)])
+def test_each_rank_takes_its_heads_in_order(src_tp, dst_tp):
+    full = torch.randn(3, 2, 4, 5, 4, 8)
+    shares = [materialize(_export(full, src_tp, 2), r, dst_tp, 2) for r in range(dst_tp)]
+    assert [(s.tp_rank, s.tp_size, s.start_block) for s in shares] == [
+        (r, dst_tp, 2) for r in range(dst_tp)
+    ]
+    assert all(s.shape == (3, 2, 4 // dst_tp, 5, 4, 8) for s in shares)
+    assert torch.equal(torch.cat([s.data for s in shares], dim=2), full)
+
+
+def test_a_share_starts_at_from_block():
+    full = torch.randn(2, 2, 2, 6, 4, 8)
+    share = materialize(_export(full, 2, start_block=3), 0, 1, 5)
+    assert (share.start_block, share.num_blocks) == (5, 4)
+    assert torch.equal(share.data, full[:, :, :, 2:])
+    assert materialize(_export(full, 1, 3), 0, 1, 9).num_blocks == 0
+    with pytest.raises(ValueError, match="from_block=2"):
+        materialize(_export(full, 1, 3), 0, 1, 2)
+
+
+def test_a_rank_fetches_only_the_parts_holding_its_heads():
+    full = torch.randn(1, 2, 4, 2, 4, 8)
+    local = _export(full, 2)
+    # Fetching rank 1's part would fail: its reference is not a Ray object.
+    unreachable = KVRef(None, local[1].shape, full.dtype, 1, 2)
+    share = materialize([local[0], unreachable], 0, 2, 0)
+    assert torch.equal(share.data, full[:, :, :2])
+    with pytest.raises(ValueError, match="cannot take a share"):
+        materialize(local, 0, 3, 0)
+
+
+def test_transports_are_checked():
+    check_transport("object_store")
+    with pytest.raises(ValueError, match="kv_transport must be one of"):
+        check_transport("gloo")
+    with pytest.raises(ValueError, match="kv_transport"):
+        EngineConfig(model="m", kv_transport="tcp")
+
+
+def test_the_object_store_transport_hands_back_the_blocks_themselves():
+    kv = KVBlocks(torch.randn(1, 2, 1, 2, 4, 8), 0, 1, 1)
+    part = publish(kv, "object_store")
+    assert isinstance(part, KVBlocks) and torch.equal(part.data, kv.data)
+    assert fetch(part) is part and part.nbytes == kv.data.numel() * 4
+
+
+@pytest.mark.slow
+def test_nixl_leaves_the_data_with_its_exporter_until_fetched(ray_cluster):
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Exporter:
+        def __init__(self):
+            self.data = torch.randn(2, 2, 3, 4, 16, 8)
+
+        def export(self) -> list:
+            return [publish(KVBlocks(self.data, 1, 3, 2), "nixl")]
+
+        def expected(self) -> torch.Tensor:
+            return self.data
+
+    exporter = Exporter.remote()
+    (part,) = ray.get(exporter.export.remote())
+    assert isinstance(part, KVRef)
+    assert (part.tp_rank, part.tp_size, part.start_block, part.num_blocks) == (1, 3, 2, 4)
+    assert part.nbytes == 2 * 2 * 3 * 4 * 16 * 8 * 4
+    (kv,) = fetch_all([part])
+    assert torch.equal(kv.data, ray.get(exporter.expected.remote()))
+    assert (kv.tp_rank, kv.tp_size, kv.start_block) == (1, 3, 2)
+    wrong = KVRef(part.ref, (1, 2, 3), part.dtype, 1, 3, 2)
+    with pytest.raises(RuntimeError, match="announced"):
+        fetch(wrong)
+
+
+@pytest.mark.slow
+def test_a_part_that_cannot_be_fetched_is_a_transfer_error(ray_cluster):
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    def lost() -> torch.Tensor:
+        raise OSError("exporter gone")
+
+    part = KVRef(lost.remote(), (1, 2, 1, 1, 4, 8), torch.float32, 1, 2)
+    with pytest.raises(KVTransferError, match="rank 1.*exporter gone"):
+        fetch(part)

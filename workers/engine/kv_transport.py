@@ -1,0 +1,155 @@
+"""How a handoff's KV blocks travel from the prefill ranks to the decode ranks.
+
+The transport is a config choice (`EngineConfig.kv_transport`):
+
+- "object_store": the exporting process returns the `KVBlocks` themselves, so they
+  ride in Ray's object store like any task result (copied in by the exporter, out by
+  each reader). Works between any two processes.
+- "nixl": Ray Direct Transport over NVIDIA NIXL (UCX underneath: shared memory or
+  RDMA; GPU memory stays on the GPU). Each exporting rank keeps its slice in its own
+  RDT store and hands out a `KVRef`; each decode rank pulls, one-sided, only the KV
+  heads it owns, straight from the prefill rank that holds them. Nothing has to be
+  set up between the two sides beforehand, so pools can scale freely.
+
+Ray's collective transports (gloo, nccl) do not fit elastic pools: both actors must
+belong to one collective group created up front, and Ray's torch-gloo group is the
+process's default torch.distributed group (one per process, fixed membership), which
+every TP rank already uses for its own all-reduces.
+
+An exported slice lives as long as a reference to it does: once decode has imported
+it and dropped the handle, Ray frees it on the prefill rank; if decode dies first, its
+borrowed references die with it and the slice is freed all the same.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.engine.kv_transfer import KVBlocks
+
+TRANSPORTS = ("object_store", "nixl")
+
+
+@dataclass(frozen=True)
+class KVRef:
+    """A `KVBlocks` left in the process that exported it: its metadata (the same
+    properties as KVBlocks') and a Ray reference to its data (see `fetch`)."""
+
+    ref: Any  # ray.ObjectRef of the data tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tp_rank: int
+    tp_size: int
+    start_block: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[3]
+
+    @property
+    def end_block(self) -> int:
+        return self.start_block + self.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * _numel(self.shape)
+
+
+KVPart = KVBlocks | KVRef
+
+
+class KVTransferError(RuntimeError):
+    """A KVRef could not be fetched (its exporter died, or the transfer failed): the
+    prompt must be computed again; the importer itself is fine."""
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def check_transport(transport: str) -> None:
+    """ValueError unless `transport` is known and usable in this environment."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "nixl" and importlib.util.find_spec("nixl") is None:
+        raise ValueError(
+            "kv_transport='nixl' needs the nixl package in every replica's environment "
+            "(pip install nixl), or use kv_transport='object_store'"
+        )
+
+
+def publish(kv: KVBlocks, transport: str) -> KVPart:
+    """What the exporting process returns for its slice under `transport`."""
+    check_transport(transport)
+    if transport == "object_store":
+        return kv.cpu()
+    import ray
+
+    ref = ray.put(kv.data, _tensor_transport=transport)
+    return KVRef(ref, tuple(kv.data.shape), kv.data.dtype, kv.tp_rank, kv.tp_size, kv.start_block)
+
+
+def fetch(part: KVPart) -> KVBlocks:
+    """The part's data in this process (a transfer for a KVRef)."""
+    if isinstance(part, KVBlocks):
+        return part
+    import ray
+
+    try:
+        data = ray.get(part.ref)
+    except Exception as e:  # what Ray raises depends on the transport and the failure
+        cause = getattr(e, "cause", None) or e  # a task error's own exception, no traceback
+        raise KVTransferError(
+            f"could not fetch TP rank {part.tp_rank}'s KV slice: {type(cause).__name__}: {cause}"
+        ) from e
+    if tuple(data.shape) != part.shape:
+        raise RuntimeError(
+            f"KV slice of rank {part.tp_rank} arrived with shape {tuple(data.shape)}, "
+            f"its exporter announced {part.shape}"
+        )
+    return KVBlocks(data, part.tp_rank, part.tp_size, part.start_block)
+
+
+def fetch_all(parts: Sequence[KVPart]) -> list[KVBlocks]:
+    return [fetch(p) for p in parts]
+
+
+def materialize(parts: Sequence[KVPart], dst_rank: int, dst_tp: int, from_block: int) -> KVBlocks:
+    """Rank `dst_rank` of `dst_tp`'s share of one export (all source ranks' parts, in
+    rank order, already checked to agree): its KV heads, from request block
+    `from_block` on. Fetches only the parts that hold some of those heads.
+
+    Ranks own contiguous, equal runs of KV heads (rank r of t holds heads
+    [r * H / t, (r + 1) * H / t)), so a destination rank's run is cut from the source
+    runs it overlaps, in order.
+    """
+    src_tp = len(parts)
+    heads = parts[0].shape[2] * src_tp
+    if not 0 <= dst_rank < dst_tp or heads % dst_tp:
+        raise ValueError(
+            f"rank {dst_rank} of a TP degree of {dst_tp} cannot take a share of {heads} KV heads"
+        )
+    lo, hi = dst_rank * heads // dst_tp, (dst_rank + 1) * heads // dst_tp
+    pieces = []
+    for r, part in enumerate(parts):
+        part_lo, part_hi = r * heads // src_tp, (r + 1) * heads // src_tp
+        a, b = max(lo, part_lo), min(hi, part_hi)
+        if a >= b:
+            continue
+        kv = fetch(part)
+        if not kv.start_block <= from_block <= kv.end_block:
+            raise ValueError(
+                f"from_block={from_block} is outside the exported blocks "
+                f"[{kv.start_block}, {kv.end_block})"
+            )
+        pieces.append(kv.data[:, :, a - part_lo : b - part_lo, from_block - kv.start_block :])
+    data = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+    return KVBlocks(data, dst_rank, dst_tp, from_block)
