@@ -81,7 +81,7 @@ class AppConfig(_Frozen):
     # The name clients use (OpenAI "model", gRPC model info); defaults to the folder's name.
     served_model_name: str | None = None
     mode: Mode = "disaggregated"
-    transport: Transport = "nixl"
+    transport: Transport = "object_store"
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True

@@ -179,9 +179,14 @@ class EngineServer:
             self._count_handoff(
                 result, received - sent, self.engine.stats().kv_import_s - imported_s
             )
-            yield first
-            async for out in stream:
-                yield out
+            try:
+                yield first
+                async for out in stream:
+                    yield out
+            finally:
+                # Now, not whenever the stream is garbage-collected: closing it aborts the
+                # request in the engine and frees its blocks.
+                await stream.aclose()
             return
         raise RuntimeError(
             f"request {request.request_id}: this decode replica kept evicting the prefix it "

@@ -23,7 +23,6 @@ from workers.engine.kv_transfer import (
     export_blocks,
     import_blocks,
 )
-from workers.engine.kv_transport import KVRef
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 from workers.engine.sequence import FinishReason
@@ -73,8 +72,7 @@ def _handoff(prefill, decode, rid, prompt, params=GREEDY, salt=None) -> list[Req
         return [first]
     skip = decode.cached_prefix_blocks(list(first.handoff.block_hashes), prompt, salt)
     handle, parts = prefill.export_kv(rid, skip_blocks=skip)
-    direct = prefill.config.kv_transport != "object_store"
-    assert all(isinstance(p, KVRef if direct else KVBlocks) for p in parts)
+    assert all(isinstance(p, KVBlocks) for p in parts)
     decode.add_prefilled_request(rid, prompt, params, handle, parts, cache_salt=salt)
     assert prefill.release_handoff(rid)
     rest = _drain(decode)[rid]
@@ -396,21 +394,12 @@ def test_mismatched_handoffs_are_refused(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "transport"),
-    [
-        (2, 1, "object_store"),
-        (1, 2, "object_store"),
-        (2, 2, "object_store"),
-        (2, 1, "nixl"),  # decode pulls each prefill rank's slice from that rank
-        (1, 2, "nixl"),  # decode pulls, then gives each of its ranks its heads
-    ],
-)
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
 def test_tp_degrees_may_differ_between_prefill_and_decode(
-    ray_cluster, model_dir, prefill_tp, decode_tp, transport
+    ray_cluster, model_dir, prefill_tp, decode_tp
 ):
     single = _engine(model_dir)
-    prefill = _engine(model_dir, tensor_parallel_size=prefill_tp, kv_transport=transport)
+    prefill = _engine(model_dir, tensor_parallel_size=prefill_tp)
     decode = _engine(model_dir, tensor_parallel_size=decode_tp)
     try:
         system = _tokens(2 * BLOCK, seed=80)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_model import make_tiny_model
 
 from workers.engine.config import EngineConfig
 from workers.engine.kv_transfer import KVBlocks
@@ -74,6 +75,10 @@ def test_the_object_store_transport_hands_back_the_blocks_themselves():
     assert fetch(part) is part and part.nbytes == kv.data.numel() * 4
 
 
+# NIXL's progress thread keeps a core busy in every process that has used it, for as
+# long as the process lives: these tests use it only in actors they kill afterwards.
+
+
 @pytest.mark.slow
 def test_nixl_leaves_the_data_with_its_exporter_until_fetched(ray_cluster):
     ray = ray_cluster
@@ -89,17 +94,82 @@ def test_nixl_leaves_the_data_with_its_exporter_until_fetched(ray_cluster):
         def expected(self) -> torch.Tensor:
             return self.data
 
-    exporter = Exporter.remote()
-    (part,) = ray.get(exporter.export.remote())
-    assert isinstance(part, KVRef)
-    assert (part.tp_rank, part.tp_size, part.start_block, part.num_blocks) == (1, 3, 2, 4)
-    assert part.nbytes == 2 * 2 * 3 * 4 * 16 * 8 * 4
-    (kv,) = fetch_all([part])
-    assert torch.equal(kv.data, ray.get(exporter.expected.remote()))
-    assert (kv.tp_rank, kv.tp_size, kv.start_block) == (1, 3, 2)
-    wrong = KVRef(part.ref, (1, 2, 3), part.dtype, 1, 3, 2)
-    with pytest.raises(RuntimeError, match="announced"):
-        fetch(wrong)
+    @ray.remote(num_cpus=0)
+    class Importer:
+        def fetch(self, parts: list) -> KVBlocks:
+            return fetch_all(parts)[0]
+
+        def fetch_as(self, part: KVRef, shape: tuple[int, ...]) -> str:
+            try:
+                fetch(KVRef(part.ref, shape, part.dtype, 1, 3, 2))
+            except RuntimeError as e:
+                return str(e)
+            return "fetched"
+
+    exporter, importer = Exporter.remote(), Importer.remote()
+    try:
+        (part,) = ray.get(exporter.export.remote())
+        assert isinstance(part, KVRef)
+        assert (part.tp_rank, part.tp_size, part.start_block, part.num_blocks) == (1, 3, 2, 4)
+        assert part.nbytes == 2 * 2 * 3 * 4 * 16 * 8 * 4
+        kv = ray.get(importer.fetch.remote([part]))
+        assert torch.equal(kv.data, ray.get(exporter.expected.remote()))
+        assert (kv.tp_rank, kv.tp_size, kv.start_block) == (1, 3, 2)
+        assert "announced" in ray.get(importer.fetch_as.remote(part, (1, 2, 3)))
+    finally:
+        ray.kill(exporter)
+        ray.kill(importer)
+
+
+@pytest.mark.slow
+def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
+    ray = ray_cluster
+    model_dir = str(make_tiny_model(tmp_path))
+
+    @ray.remote(num_cpus=0)
+    class Engines:
+        """A prefill and a decode engine; their TP ranks die with this actor."""
+
+        def handoffs(self, prefill_tp: int, decode_tp: int) -> list[tuple[list, list, bool]]:
+            from workers.engine.engine import LLMEngine
+            from workers.engine.sampling_params import SamplingParams
+
+            def engine(**kw) -> LLMEngine:
+                return LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, **kw))
+
+            def drain(e: LLMEngine, rid: str) -> list[int]:
+                tokens = []
+                while e.has_unfinished():
+                    for out in e.step():
+                        tokens += out.new_token_ids if out.request_id == rid else []
+                return tokens
+
+            single = engine()
+            prefill = engine(tensor_parallel_size=prefill_tp, kv_transport="nixl")
+            decode = engine(tensor_parallel_size=decode_tp)
+            params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            results = []
+            for i, n in enumerate([7, 16, 41]):
+                prompt = [3 + (i * 31 + j * 7) % 300 for j in range(n)]
+                single.add_request("s", prompt, params)
+                expected = drain(single, "s")
+                prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
+                first = drain(prefill, f"r{i}")
+                handle, parts = prefill.export_kv(f"r{i}")
+                decode.add_prefilled_request(f"r{i}", prompt, params, handle, parts)
+                prefill.release_handoff(f"r{i}")
+                got = first + drain(decode, f"r{i}")[1:]  # decode repeats the first token
+                results.append((expected, got, all(isinstance(p, KVRef) for p in parts)))
+            assert decode.stats().num_free_blocks == decode.stats().num_total_blocks
+            return results
+
+    for prefill_tp, decode_tp in [(2, 1), (1, 2)]:
+        engines = Engines.remote()
+        try:
+            for expected, got, direct in ray.get(engines.handoffs.remote(prefill_tp, decode_tp)):
+                assert direct and got == expected
+        finally:
+            ray.kill(engines)
 
 
 @pytest.mark.slow
