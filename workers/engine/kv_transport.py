@@ -24,6 +24,7 @@ borrowed references die with it and the slice is freed all the same.
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,7 @@ class KVRef:
 
     @property
     def nbytes(self) -> int:
-        return self.dtype.itemsize * _numel(self.shape)
+        return self.dtype.itemsize * math.prod(self.shape)
 
 
 KVPart = KVBlocks | KVRef
@@ -66,13 +67,6 @@ KVPart = KVBlocks | KVRef
 class KVTransferError(RuntimeError):
     """A KVRef could not be fetched (its exporter died, or the transfer failed): the
     prompt must be computed again; the importer itself is fine."""
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def check_transport(transport: str) -> None:
