@@ -75,8 +75,8 @@ def test_the_object_store_transport_hands_back_the_blocks_themselves():
     assert fetch(part) is part and part.nbytes == kv.data.numel() * 4
 
 
-# NIXL's progress thread keeps a core busy in every process that has used it, for as
-# long as the process lives: these tests use it only in actors they kill afterwards.
+# The nixl tests run their transfers in actors they kill afterwards, so no NIXL agent
+# outlives its test.
 
 
 @pytest.mark.slow

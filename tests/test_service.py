@@ -129,7 +129,7 @@ def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
 def test_the_nixl_transport_gives_the_same_output_pulling_from_the_prefill_ranks(
     service, smollm2_dir
 ):
-    # Its own app, deleted at the end: NIXL keeps a core busy in every process using it.
+    # Its own app, deleted at the end so the later tests share the machine with two only.
     config = AppConfig(
         mode="disaggregated",
         transport="nixl",

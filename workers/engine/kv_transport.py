@@ -19,6 +19,9 @@ every TP rank already uses for its own all-reduces.
 An exported slice lives as long as a reference to it does: once decode has imported
 it and dropped the handle, Ray frees it on the prefill rank; if decode dies first, its
 borrowed references die with it and the slice is freed all the same.
+
+Every process that exports or fetches over nixl first installs its own NIXL agent
+(`nixl_agent.install_nixl_agent`), one whose progress thread does not spin.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from workers.engine.kv_transfer import KVBlocks
+from workers.engine.nixl_agent import install_nixl_agent
 
 TRANSPORTS = ("object_store", "nixl")
 
@@ -87,6 +91,7 @@ def publish(kv: KVBlocks, transport: str) -> KVPart:
         return kv.cpu()
     import ray
 
+    install_nixl_agent()
     ref = ray.put(kv.data, _tensor_transport=transport)
     return KVRef(ref, tuple(kv.data.shape), kv.data.dtype, kv.tp_rank, kv.tp_size, kv.start_block)
 
@@ -97,6 +102,7 @@ def fetch(part: KVPart) -> KVBlocks:
         return part
     import ray
 
+    install_nixl_agent()
     try:
         data = ray.get(part.ref)
     except Exception as e:  # what Ray raises depends on the transport and the failure
