@@ -128,7 +128,7 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
 
     @ray.remote(num_cpus=0)
     class Engines:
-        """A prefill and a decode engine; their TP ranks die with this actor."""
+        """A prefill and a decode engine, in a process killed afterwards."""
 
         def handoffs(self, prefill_tp: int, decode_tp: int) -> list[tuple[list, list, bool]]:
             from workers.engine.engine import LLMEngine
@@ -149,18 +149,24 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
             decode = engine(tensor_parallel_size=decode_tp)
             params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
             results = []
-            for i, n in enumerate([7, 16, 41]):
-                prompt = [3 + (i * 31 + j * 7) % 300 for j in range(n)]
-                single.add_request("s", prompt, params)
-                expected = drain(single, "s")
-                prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
-                first = drain(prefill, f"r{i}")
-                handle, parts = prefill.export_kv(f"r{i}")
-                decode.add_prefilled_request(f"r{i}", prompt, params, handle, parts)
-                prefill.release_handoff(f"r{i}")
-                got = first + drain(decode, f"r{i}")[1:]  # decode repeats the first token
-                results.append((expected, got, all(isinstance(p, KVRef) for p in parts)))
-            assert decode.stats().num_free_blocks == decode.stats().num_total_blocks
+            try:
+                for i, n in enumerate([7, 16, 41]):
+                    prompt = [3 + (i * 31 + j * 7) % 300 for j in range(n)]
+                    single.add_request("s", prompt, params)
+                    expected = drain(single, "s")
+                    prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
+                    first = drain(prefill, f"r{i}")
+                    handle, parts = prefill.export_kv(f"r{i}")
+                    decode.add_prefilled_request(f"r{i}", prompt, params, handle, parts)
+                    prefill.release_handoff(f"r{i}")
+                    got = first + drain(decode, f"r{i}")[1:]  # decode repeats the first token
+                    results.append((expected, got, all(isinstance(p, KVRef) for p in parts)))
+                assert decode.stats().num_free_blocks == decode.stats().num_total_blocks
+            finally:
+                # The TP groups' placement groups belong to the driver, not to this
+                # actor: only a shutdown gives their CPUs back.
+                for e in (single, prefill, decode):
+                    e.shutdown()
             return results
 
     for prefill_tp, decode_tp in [(2, 1), (1, 2)]:

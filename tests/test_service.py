@@ -52,6 +52,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, smollm2_dir):
+    # Serve retries a replica it cannot place for ever: a CPU an earlier test left
+    # reserved would turn the scaling test into a hang, so find it here.
+    total, free = ray.cluster_resources()["CPU"], ray.available_resources().get("CPU", 0.0)
+    assert free == total, f"earlier tests left {total - free:g} CPUs reserved: {_leftovers()}"
     http_port, grpc_port = _free_port(), _free_port()
     disagg = AppConfig(
         mode="disaggregated",
@@ -64,6 +68,13 @@ def service(ray_cluster, smollm2_dir):
     service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **ports)
     yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", **ports}
     serve.shutdown()
+
+
+def _leftovers() -> list[str]:
+    from ray.util import placement_group_table
+
+    groups = placement_group_table().values()
+    return [f"placement group {g['bundles']}" for g in groups if g["state"] != "REMOVED"]
 
 
 @pytest.fixture(scope="module")
