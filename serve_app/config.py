@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from serve_app.status_board import DEFAULT_BOARD_NAME
 from workers.engine.config import EngineConfig
 
-# How prefill's KV blocks reach decode (workers/engine/kv_transport.py): "object_store"
-# (Ray's object store, works anywhere) or "nixl" (Ray Direct Transport: each decode rank
-# pulls its KV heads straight from the prefill rank holding them).
+# How prefill's KV blocks reach decode (workers/engine/kv_transport.py): "nixl" (Ray
+# Direct Transport: decode pulls the KV heads straight from the prefill ranks holding
+# them) or "object_store" (Ray's object store: the fallback, works anywhere).
 Transport = Literal["object_store", "nixl"]
 TRANSPORTS: tuple[str, ...] = Transport.__args__
 
@@ -81,7 +81,7 @@ class AppConfig(_Frozen):
     # The name clients use (OpenAI "model", gRPC model info); defaults to the folder's name.
     served_model_name: str | None = None
     mode: Mode = "disaggregated"
-    transport: Transport = "object_store"
+    transport: Transport = "nixl"
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True

@@ -17,6 +17,7 @@ registry, and its load and KV usage to Serve's request router (`record_routing_s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -145,8 +146,12 @@ class EngineServer:
         )
         for _ in range(_MAX_STALE_RETRIES + 1):
             sent = time.perf_counter()
+            response = self.prefill_pool.prefill.remote(request, have)
             try:
-                result: PrefillResult = await self.prefill_pool.prefill.remote(request, have)
+                result: PrefillResult = await response
+            except asyncio.CancelledError:
+                response.cancel()  # the prefill replica aborts its request too
+                raise
             except Exception as e:
                 if isinstance(root_cause(e), ValueError):
                     raise  # the request's fault: recomputing would fail alike

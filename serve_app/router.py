@@ -135,8 +135,9 @@ class Router:
         last: RequestOutput | None = None
         last_at = started
         status = "internal"
+        outputs = self.pool.generate.remote(request)
         try:
-            async for out in self.pool.generate.remote(request):
+            async for out in outputs:
                 now = time.perf_counter()
                 if last is None:
                     self.metrics.first_token(api, now - started)
@@ -147,6 +148,10 @@ class Router:
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
+            # Said outright, not left to Serve's parent-request bookkeeping: the pool
+            # replica's generator is cancelled now, so its engine aborts the request and
+            # frees its blocks at once.
+            outputs.cancel()
             raise
         except Exception as e:
             status = public_error(e)[0]

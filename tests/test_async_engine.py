@@ -188,8 +188,10 @@ def test_invalid_request_raises_before_any_output_and_the_engine_keeps_serving(m
             with pytest.raises(ValueError, match="already in use"):
                 await engine.generate("dup", prompt, GREEDY).__anext__()
             rest = await asyncio.wait_for(_drain(live), TIMEOUT)
-            assert 1 + len(rest) == GREEDY.max_tokens and rest[-1].finished
-            assert first.num_output_tokens == 1
+            # Counted in tokens: outputs that pile up while this task waits come merged.
+            assert first.num_output_tokens == 1 and len(first.new_token_ids) == 1
+            assert 1 + sum(len(o.new_token_ids) for o in rest) == GREEDY.max_tokens
+            assert rest[-1].finished
             assert engine.is_healthy()
             await _until(lambda: _all_blocks_free(engine), "all blocks free")
         finally:
@@ -381,6 +383,29 @@ def test_abort_nowait_releases_a_held_handoff(model_dir):
         engine.abort_nowait("h")
         await _until(lambda: _all_blocks_free(engine), "the held blocks to be freed")
         assert await engine.call(lambda e: len(e.handoffs)) == 0
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_consumer_gone_before_reading_its_finished_prefill_frees_the_handoff(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir, handoff_timeout_s=600))
+        prompt = random_prompts(1, seed=7)[0]
+        stream = engine.generate("h", prompt, GREEDY, prefill_only=True)
+        reader = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # the reader starts: the request is queued, it waits
+        # Blocking this loop: the engine finishes the prefill and holds the handoff, and
+        # the output waits on the loop for a reader that is cancelled before it runs.
+        deadline = time.monotonic() + TIMEOUT
+        while engine.stats().handoffs_held != 1:
+            assert time.monotonic() < deadline, "the handoff was never held"
+            time.sleep(0.01)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await _until(lambda: _all_blocks_free(engine), "the held blocks to be freed")
+        assert engine.stats().handoffs_expired == 0
         await engine.shutdown()
 
     asyncio.run(main())

@@ -330,6 +330,11 @@ class AsyncEngine:
             if live is not None and command.stream is None:
                 # The consumer is still reading: tell it how its request ended.
                 self._send({live.loop: [(live, abort_output(live))]})
+        elif live is None:
+            # The request finished before its consumer left, but a prefill-only one still
+            # holds its handoff, which nobody will export now: free it at once rather
+            # than at its deadline.
+            aborted = self.engine.release_handoff(rid)
         if command.reply is not None and command.reply_loop is not None:
             call_soon(command.reply_loop, resolve, command.reply, aborted)
 
