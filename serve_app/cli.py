@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, ModelFetchError, ConnectionError) as e:
+    except (ValueError, ModelFetchError, ConnectionError, TimeoutError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
 

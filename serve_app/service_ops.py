@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,10 @@ from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
 log = logging.getLogger("baton")
 
 LOCAL_HEAD_MIN_CPUS = 8
+# How long `deploy` waits for the application to run. Serve itself waits for ever and
+# keeps retrying a replica it cannot place (or whose engine cannot start), so an
+# unplaceable pool would otherwise hang `baton serve` / `baton scale` silently.
+DEPLOY_TIMEOUT_S = 900.0
 
 
 def connect(address: str | None = None, start_if_missing: bool = False) -> None:
@@ -74,8 +79,11 @@ def deploy(
     grpc_port: int = GRPC_PORT,
     http_host: str = "0.0.0.0",
     route_prefix: str = "/",
+    timeout_s: float = DEPLOY_TIMEOUT_S,
 ) -> None:
-    """Deploys (or updates in place) the application; returns once it is running."""
+    """Deploys (or updates in place) the application; returns once it is running.
+    TimeoutError (with Serve's view of each deployment) if it is not within `timeout_s`;
+    Serve goes on trying, so the operator can wait longer or deploy a smaller config."""
     from serve_app.app import build_app
 
     app = build_app(config)  # validates before anything starts
@@ -86,10 +94,43 @@ def deploy(
             "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
         },
     )
-    serve.run(app, name=app_name, route_prefix=route_prefix)
+    _run_within(app, app_name, route_prefix, timeout_s)
     board = get_or_create_board(config.status_board_name)
     deployed = {"config": config.model_dump(mode="json"), "route_prefix": route_prefix}
     ray.get(board.set_config.remote(app_name, deployed))
+
+
+def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) -> None:
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve.run(app, name=app_name, route_prefix=route_prefix)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            failure.append(e)
+
+    # serve.run has no timeout: it waits on a thread of its own, which a timeout leaves
+    # behind (a CLI process exits right after).
+    waiter = threading.Thread(target=run, name=f"deploy-{app_name}", daemon=True)
+    waiter.start()
+    waiter.join(timeout_s)
+    if failure:
+        raise failure[0]
+    if waiter.is_alive():
+        app_status = serve.status().applications.get(app_name)
+        states = (
+            "; ".join(
+                f"{name}: {getattr(d.status, 'value', d.status)} {d.message}".strip()
+                for name, d in app_status.deployments.items()
+            )
+            if app_status
+            else "not created yet"
+        )
+        raise TimeoutError(
+            f"application {app_name!r} is not running after {timeout_s:.0f}s ({states}). "
+            "Serve keeps trying: check that the cluster has room for every replica and its "
+            "TP ranks (`baton status`), or deploy fewer replicas or a smaller TP degree"
+        )
 
 
 def deployed(
