@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ LOCAL_HEAD_MIN_CPUS = 8
 # keeps retrying a replica it cannot place (or whose engine cannot start), so an
 # unplaceable pool would otherwise hang `baton serve` / `baton scale` silently.
 DEPLOY_TIMEOUT_S = 900.0
+_DEPLOY_POLL_S = 0.5
 
 
 def connect(address: str | None = None, start_if_missing: bool = False) -> None:
@@ -101,36 +102,40 @@ def deploy(
 
 
 def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) -> None:
-    failure: list[BaseException] = []
+    """`serve.run` with a bound on its wait: Serve's own waits for ever."""
+    from ray.serve.schema import ApplicationStatus
 
-    def run() -> None:
-        try:
-            serve.run(app, name=app_name, route_prefix=route_prefix)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            failure.append(e)
-
-    # serve.run has no timeout: it waits on a thread of its own, which a timeout leaves
-    # behind (a CLI process exits right after).
-    waiter = threading.Thread(target=run, name=f"deploy-{app_name}", daemon=True)
-    waiter.start()
-    waiter.join(timeout_s)
-    if failure:
-        raise failure[0]
-    if waiter.is_alive():
+    # Submitted without Serve's wait, then polled here, so a timeout leaves no thread
+    # behind still waiting on the controller.
+    serve.run_many(
+        [serve.RunTarget(app, name=app_name, route_prefix=route_prefix)],
+        wait_for_ingress_deployment_creation=False,
+        wait_for_applications_running=False,
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
         app_status = serve.status().applications.get(app_name)
-        states = (
-            "; ".join(
-                f"{name}: {getattr(d.status, 'value', d.status)} {d.message}".strip()
-                for name, d in app_status.deployments.items()
-            )
-            if app_status
-            else "not created yet"
+        status = app_status.status if app_status else None
+        if status == ApplicationStatus.RUNNING:
+            return
+        if status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"deploying application {app_name!r} failed: {app_status.message}")
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(_DEPLOY_POLL_S)
+    states = (
+        "; ".join(
+            f"{name}: {getattr(d.status, 'value', d.status)} {d.message}".strip()
+            for name, d in app_status.deployments.items()
         )
-        raise TimeoutError(
-            f"application {app_name!r} is not running after {timeout_s:.0f}s ({states}). "
-            "Serve keeps trying: check that the cluster has room for every replica and its "
-            "TP ranks (`baton status`), or deploy fewer replicas or a smaller TP degree"
-        )
+        if app_status
+        else "not created yet"
+    )
+    raise TimeoutError(
+        f"application {app_name!r} is not running after {timeout_s:.0f}s ({states}). "
+        "Serve keeps trying: check that the cluster has room for every replica and its "
+        "TP ranks (`baton status`), or deploy fewer replicas or a smaller TP degree"
+    )
 
 
 def deployed(

@@ -169,14 +169,24 @@ def smollm2_gguf(smollm2_dir: Path) -> Path:
     return ensure_default_gguf()
 
 
-@pytest.fixture(scope="session")
-def ray_metrics_port() -> int:
-    """The port of the test Ray's Prometheus metrics endpoint."""
+def _free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_metrics_port() -> int:
+    """The port of the test Ray's Prometheus metrics endpoint."""
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def serve_ports() -> dict:
+    """Ports for a module's Serve proxies, as `service_ops.deploy` takes them."""
+    return {"http_port": _free_port(), "grpc_port": _free_port(), "http_host": "127.0.0.1"}
 
 
 @pytest.fixture(scope="session")

@@ -60,9 +60,7 @@ def test_a_mixed_step_matches_attention_over_contiguous_context():
     k = torch.cat([ka[c:] for ka, c in zip(k_all, cached, strict=True)])
     v = torch.cat([va[c:] for va, c in zip(v_all, cached, strict=True)])
     max_blocks = max(-(-n // BLOCK) for n in lengths[:3])
-    padded = torch.tensor(
-        [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables[:3]]
-    )
+    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:3]])
     bias = torch.zeros(3, max_blocks * BLOCK)
     bias.masked_fill_(
         torch.arange(max_blocks * BLOCK) >= torch.tensor(lengths[:3])[:, None], -torch.inf

@@ -11,7 +11,6 @@ every pool.
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -45,29 +44,24 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def service(ray_cluster, smollm2_dir):
+def service(ray_cluster, smollm2_dir, serve_ports):
     # Serve retries a replica it cannot place for ever: a CPU an earlier test left
     # reserved would turn the scaling test into a hang, so find it here.
     total, free = ray.cluster_resources()["CPU"], ray.available_resources().get("CPU", 0.0)
     assert free == total, f"earlier tests left {total - free:g} CPUs reserved: {_leftovers()}"
-    http_port, grpc_port = _free_port(), _free_port()
     disagg = AppConfig(
         mode="disaggregated",
         prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
         decode=PoolConfig(kv_cache_bytes=KV),
     )
     agg = AppConfig(mode="aggregated", aggregated=PoolConfig(kv_cache_bytes=KV))
-    ports = {"http_port": http_port, "grpc_port": grpc_port, "http_host": "127.0.0.1"}
-    service_ops.deploy(disagg, app_name="disagg", route_prefix="/disagg", **ports)
-    service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **ports)
-    yield {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", **ports}
+    service_ops.deploy(disagg, app_name="disagg", route_prefix="/disagg", **serve_ports)
+    service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **serve_ports)
+    yield {
+        "http": f"http://127.0.0.1:{serve_ports['http_port']}",
+        "grpc": f"127.0.0.1:{serve_ports['grpc_port']}",
+    }
     serve.shutdown()
 
 
@@ -138,7 +132,7 @@ def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
         assert last.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
 
 
-def test_the_object_store_fallback_gives_the_same_output(service, disagg, smollm2_dir):
+def test_the_object_store_fallback_gives_the_same_output(service, disagg, smollm2_dir, serve_ports):
     # Its own app, deleted at the end so the later tests share the machine with two only.
     config = AppConfig(
         mode="disaggregated",
@@ -146,8 +140,7 @@ def test_the_object_store_fallback_gives_the_same_output(service, disagg, smollm
         prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
         decode=PoolConfig(kv_cache_bytes=KV),
     )
-    ports = {k: service[k] for k in ("http_port", "grpc_port", "http_host")}
-    service_ops.deploy(config, app_name="disagg_os", route_prefix="/disagg_os", **ports)
+    service_ops.deploy(config, app_name="disagg_os", route_prefix="/disagg_os", **serve_ports)
     try:
         engine = LLMEngine(EngineConfig(model=str(smollm2_dir), kv_cache_bytes=KV))
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
