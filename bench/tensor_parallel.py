@@ -1,5 +1,8 @@
 """Tensor parallelism on this machine: decode step and prefill time at tp=1 and tp=3,
-and the all-reduce cost per decode step.
+the all-reduce cost per decode step, and what importing a 512-token KV handoff from a
+tp=1 prefill costs a tp=3 decode group: over nixl each rank pulls its part on its own
+transfer thread (off the step) and the step only writes what is staged; over the
+object store the engine process cuts each rank's share and sends it with the call.
 
 tp=1 is the in-process runner with --threads torch threads (a lone engine);
 tp=3 is a Ray worker group with one thread per rank. On a 2-core machine three
@@ -58,6 +61,26 @@ def prefill_s(runner, rounds: int = 3) -> float:
     return median(times)
 
 
+def handoff_import_s(exporter: ModelRunner, group: TPWorkerGroup, rounds: int = 5) -> dict:
+    """Median seconds, per transport, of moving the 512-token prompt's blocks (computed by
+    prefill_s on `exporter`) into `group`: the rank pull, and the import in the step."""
+    blocks = list(range(PREFILL_LEN // BLOCK))
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        parts = exporter.export_blocks(blocks, 0, "nixl")
+        start = time.perf_counter()
+        group.prefetch(parts)
+        pulled = time.perf_counter()
+        group.import_blocks(blocks, parts, 0)
+        times.setdefault("pull.nixl", []).append(pulled - start)
+        times.setdefault("import.nixl", []).append(time.perf_counter() - pulled)
+        parts = exporter.export_blocks(blocks, 0, "object_store")
+        start = time.perf_counter()
+        group.import_blocks(blocks, parts, 0)
+        times.setdefault("import.object_store", []).append(time.perf_counter() - start)
+    return {name: median(values) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -74,7 +97,6 @@ def main() -> None:
     single = ModelRunner(spec.model_dir, spec.num_blocks, BLOCK, spec.max_model_len)
     log("tp=1 in process")
     tp1_decode, tp1_prefill = decode_step_s(single, args.batch, args.steps), prefill_s(single)
-    del single
 
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray.init(num_cpus=3, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
@@ -86,6 +108,8 @@ def main() -> None:
         # one for the vocab-parallel embedding, each over [batch, hidden].
         per_call = group.time_all_reduce(args.batch * cfg.hidden_size, iters=200)
         calls = 2 * cfg.num_hidden_layers + 1
+        log("512-token handoff into the tp=3 group")
+        handoff = handoff_import_s(single, group)
         group.shutdown()
     finally:
         ray.shutdown()
@@ -97,6 +121,8 @@ def main() -> None:
     emit("tp3.prefill_512_s", tp3_prefill, "s", threads_per_rank=1, **context)
     emit("tp3.allreduce_call_s", per_call, "s", numel=args.batch * cfg.hidden_size, **context)
     emit("tp3.allreduce_per_step_s", per_call * calls, "s", calls_per_step=calls, **context)
+    for name, seconds in handoff.items():
+        emit(f"tp3.handoff_512_{name.replace('.', '_s.')}", seconds, "s", **context)
     emit("ratio.decode_step.tp3_over_tp1", tp3_decode / tp1_decode, "ratio", **context)
     emit(
         "ratio.allreduce_over_decode_step.tp3",

@@ -359,6 +359,57 @@ def test_a_prefill_only_stream_hands_off_to_a_second_engine_through_call(model_d
     asyncio.run(main())
 
 
+@pytest.mark.slow
+def test_tp_decode_ranks_pull_the_handoff_themselves_and_a_cancel_frees_it(ray_cluster, model_dir):
+    # Both engines TP 2: their ranks (actors, killed at shutdown) do every nixl transfer,
+    # so no NIXL agent outlives the test in this process.
+    prompts = random_prompts(3, seed=6)
+    expected = [s.output_token_ids for s in _engine(model_dir).generate(prompts, GREEDY)]
+
+    def pulled_and_staged(engine: AsyncEngine) -> list[tuple[int, int]]:
+        return [(n, s) for n, _, s in engine.engine.runner.pull_stats()]
+
+    async def handoff(prefill: AsyncEngine, rid: str, prompt: list[int]):
+        [o async for o in prefill.generate(rid, prompt, GREEDY, prefill_only=True)]
+        return await prefill.call(lambda e: (e.export_kv(rid), e.release_handoff(rid))[0])
+
+    async def main():
+        tp2 = {"tensor_parallel_size": 2}
+        prefill = AsyncEngine(_engine(model_dir, kv_transport="nixl", **tp2))
+        decode = AsyncEngine(_engine(model_dir, **tp2))
+        try:
+            got = []
+            for i, prompt in enumerate(prompts[:2]):
+                handle, parts = await handoff(prefill, f"r{i}", prompt)
+                stream = decode.generate_prefilled(f"r{i}", prompt, GREEDY, handle, parts)
+                got.append([t async for o in stream for t in o.new_token_ids])
+            # Cancelled while its ranks may still be pulling: what they stage is dropped.
+            handle, parts = await handoff(prefill, "c", prompts[2])
+
+            async def consume():
+                async for _ in decode.generate_prefilled("c", prompts[2], GREEDY, handle, parts):
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0)  # consume() now waits on its ranks' pull
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # The pull goes on after the cancel (it is not interruptible); each rank
+            # then holds nothing.
+            await _until(
+                lambda: pulled_and_staged(decode) == [(3, 0), (3, 0)],
+                "the cancelled request's pull to finish and be dropped",
+            )
+            await _until(lambda: _all_blocks_free(decode), "the decode blocks to be freed")
+            return got
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    assert asyncio.run(main()) == expected[:2]
+
+
 def test_a_held_handoff_expires_while_the_engine_is_idle(model_dir):
     async def main():
         engine = AsyncEngine(_engine(model_dir, handoff_timeout_s=0.2))

@@ -130,7 +130,7 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
     class Engines:
         """A prefill and a decode engine, in a process killed afterwards."""
 
-        def handoffs(self, prefill_tp: int, decode_tp: int) -> list[tuple[list, list, bool]]:
+        def handoffs(self, prefill_tp: int, decode_tp: int, prefetch: bool) -> dict:
             from workers.engine.engine import LLMEngine
             from workers.engine.sampling_params import SamplingParams
 
@@ -148,7 +148,7 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
             prefill = engine(tensor_parallel_size=prefill_tp, kv_transport="nixl")
             decode = engine(tensor_parallel_size=decode_tp)
             params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-            results = []
+            results, exported = [], []
             try:
                 for i, n in enumerate([7, 16, 41]):
                     prompt = [3 + (i * 31 + j * 7) % 300 for j in range(n)]
@@ -157,25 +157,107 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
                     prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
                     first = drain(prefill, f"r{i}")
                     handle, parts = prefill.export_kv(f"r{i}")
+                    exported.append([p.nbytes for p in parts])
+                    if prefetch:  # as AsyncEngine does, before the request reaches the engine
+                        parts = decode.prefetch_kv(parts)
                     decode.add_prefilled_request(f"r{i}", prompt, params, handle, parts)
                     prefill.release_handoff(f"r{i}")
                     got = first + drain(decode, f"r{i}")[1:]  # decode repeats the first token
                     results.append((expected, got, all(isinstance(p, KVRef) for p in parts)))
                 assert decode.stats().num_free_blocks == decode.stats().num_total_blocks
+                pulls = decode.runner.pull_stats() if decode_tp > 1 else None
             finally:
                 # The TP groups' placement groups belong to the driver, not to this
                 # actor: only a shutdown gives their CPUs back.
                 for e in (single, prefill, decode):
                     e.shutdown()
-            return results
+            return {"results": results, "exported": exported, "pulls": pulls}
 
-    for prefill_tp, decode_tp in [(2, 1), (1, 2)]:
+    for prefill_tp, decode_tp, prefetch in [(2, 1, True), (1, 2, False), (2, 2, True)]:
         engines = Engines.remote()
         try:
-            for expected, got, direct in ray.get(engines.handoffs.remote(prefill_tp, decode_tp)):
-                assert direct and got == expected
+            run = ray.get(engines.handoffs.remote(prefill_tp, decode_tp, prefetch))
         finally:
             ray.kill(engines)
+        for expected, got, direct in run["results"]:
+            assert got == expected
+            # A TP decode group imports the refs themselves: its ranks pull, not the engine.
+            assert direct == (decode_tp > 1 or not prefetch)
+        if decode_tp > 1:
+            # Rank to rank: every decode rank pulled each export once, only the prefill
+            # part holding its KV heads (all of one part at tp 1 -> 2; at 2 -> 2, rank r
+            # needs part r alone), and nothing stays staged.
+            one_part_each = sum(sizes[0] for sizes in run["exported"])
+            assert run["pulls"] == [(3, one_part_each, 0)] * decode_tp
+
+
+@pytest.mark.slow
+def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_cluster, tmp_path):
+    ray = ray_cluster
+    model_dir = str(make_tiny_model(tmp_path))
+
+    @ray.remote(num_cpus=0)
+    class Engines:
+        def staged_after_each_way_out(self) -> dict:
+            from dataclasses import replace
+
+            from workers.engine.engine import LLMEngine
+            from workers.engine.sampling_params import SamplingParams
+
+            def engine(**kw) -> LLMEngine:
+                return LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, **kw))
+
+            prefill = engine(kv_transport="nixl")
+            decode = engine(tensor_parallel_size=2)
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            prompt = list(range(3, 40))
+            staged = {}
+
+            def export(rid: str):
+                prefill.add_request(rid, prompt, params, prefill_only=True)
+                while prefill.has_unfinished():
+                    prefill.step()
+                return prefill.export_kv(rid)
+
+            def now() -> list[int]:
+                return [s for _, _, s in decode.runner.pull_stats()]
+
+            try:
+                handle, parts = export("a")
+                parts = decode.prefetch_kv(parts)
+                staged["prefetched"] = now()
+                bad = replace(handle, num_tokens=handle.num_tokens + 1)
+                try:
+                    decode.add_prefilled_request("a", prompt, params, bad, parts)
+                except ValueError:
+                    staged["refused"] = now()
+                parts = decode.prefetch_kv(parts)
+                decode.add_prefilled_request("a", prompt, params, handle, parts)
+                decode.abort("a")  # before any step: its import never ran
+                staged["aborted"] = now()
+                lost = [replace(parts[0], ref=ray.put(torch.zeros(1)))]
+                try:
+                    decode.prefetch_kv(lost)
+                except KVTransferError as e:
+                    staged["failed"] = (now(), str(e))
+                stats = decode.stats()
+                staged["free"] = (stats.num_free_blocks, stats.num_total_blocks)
+            finally:
+                prefill.shutdown()
+                decode.shutdown()
+            return staged
+
+    engines = Engines.remote()
+    try:
+        staged = ray.get(engines.staged_after_each_way_out.remote())
+    finally:
+        ray.kill(engines)
+    assert staged["prefetched"] == [1, 1]
+    assert staged["refused"] == staged["aborted"] == [0, 0]
+    # A part whose data is not what its exporter announced is a transfer error, and the
+    # group is still usable afterwards (its stats were read after it).
+    assert staged["failed"][0] == [0, 0] and "announced" in staged["failed"][1]
+    assert staged["free"][0] == staged["free"][1]
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ from workers.engine.async_commands import (
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineStats, LLMEngine, RequestOutput
 from workers.engine.kv_transfer import KVHandle
-from workers.engine.kv_transport import KVPart, KVRef, fetch_all
+from workers.engine.kv_transport import KVPart, KVRef
 from workers.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -138,10 +138,16 @@ class AsyncEngine:
         .add_prefilled_request); its first output repeats the handed-over token."""
         prompt = list(prompt_token_ids)
         if any(isinstance(p, KVRef) for p in kv_parts):
-            # Pulled from the prefill ranks here, off the engine thread: the transfer never
-            # stalls other requests' steps, and one that fails (its exporter died) fails
-            # this request before it reaches the engine.
-            kv_parts = await asyncio.to_thread(fetch_all, kv_parts)
+            # Pulled from the prefill ranks (by this engine's own ranks under TP) off the
+            # engine thread: the transfer never stalls other requests' steps, and one that
+            # fails (its exporter died) fails this request before it reaches the engine.
+            pulling = asyncio.ensure_future(asyncio.to_thread(self.engine.prefetch_kv, kv_parts))
+            try:
+                kv_parts = await asyncio.shield(pulling)
+            except asyncio.CancelledError:
+                # The pull goes on in its thread: free what it stages once it is done.
+                pulling.add_done_callback(self._release_pulled)
+                raise
 
         def submit(engine: LLMEngine) -> None:
             engine.add_prefilled_request(request_id, prompt, params, handle, kv_parts, cache_salt)
@@ -150,8 +156,16 @@ class AsyncEngine:
         try:
             async for out in stream:
                 yield out
+        except EngineOverloadedError:
+            # Refused before reaching the engine, which frees everything it was given.
+            self.engine.release_prefetched_kv(kv_parts)
+            raise
         finally:
             await stream.aclose()  # now, not at garbage collection: it aborts the request
+
+    def _release_pulled(self, pulling: asyncio.Future) -> None:
+        if not pulling.cancelled() and pulling.exception() is None:
+            self.engine.release_prefetched_kv(pulling.result())
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs `fn(engine)` on the engine thread between steps and returns its result (or

@@ -340,9 +340,25 @@ class LLMEngine:
         cached leading blocks and importing the rest. The next `step` outputs the handed-over
         first token (stop conditions apply: it may finish at once). ValueError when the handle
         does not fit; StalePrefixError when the export skipped blocks no longer held here."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
-        self.imports.add(seq, handle, kv_parts)
+        try:
+            seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
+            self.imports.add(seq, handle, kv_parts)
+        except Exception:
+            self.runner.release_prefetched(kv_parts)  # prefetch_kv's pulls will not be used
+            raise
         self._requests[request_id] = seq
+
+    def prefetch_kv(self, kv_parts: list[KVPart]) -> list[KVPart]:
+        """Decode side, callable from any thread while steps run: moves a handoff's blocks
+        to where this engine's ranks will import them (under a direct transport each rank
+        pulls its own KV heads) and returns the parts to pass to `add_prefilled_request`.
+        Raises KVTransferError, leaving nothing behind, if the transfer fails."""
+        return self.runner.prefetch(kv_parts)
+
+    def release_prefetched_kv(self, kv_parts: list[KVPart]) -> None:
+        """Frees what `prefetch_kv` moved for a handoff that will not be added (any
+        thread; a no-op when nothing is held). Aborting an added request frees it too."""
+        self.runner.release_prefetched(kv_parts)
         self._admit_imports(time.monotonic())
 
     def _admit_imports(self, now: float) -> None:

@@ -50,6 +50,15 @@ class BlockRunner(Protocol):
         self, block_ids: list[int], start_block: int, transport: str
     ) -> list[KVPart]: ...
 
+    def prefetch(self, parts: list[KVPart]) -> list[KVPart]:
+        """Moves an export's data to where import_blocks reads it (callable from any
+        thread); returns the parts to import."""
+        ...
+
+    def release_prefetched(self, parts: list[KVPart]) -> None:
+        """Frees what prefetch moved, for an export that will not be imported."""
+        ...
+
     def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None: ...
 
 
@@ -241,7 +250,11 @@ class KVImports:
         return admitted
 
     def discard(self, seq: Sequence) -> None:
-        """Forgets a queued handoff (aborted); its pinned blocks are freed by the caller."""
+        """Forgets a queued handoff (aborted) and anything prefetched for it; its pinned
+        blocks are freed by the caller."""
+        for p in self.pending:
+            if p.seq is seq:
+                self.runner.release_prefetched(p.parts)
         self.pending = deque(p for p in self.pending if p.seq is not seq)
 
     def _check_handle(self, seq: Sequence, handle: KVHandle) -> None:

@@ -7,9 +7,11 @@ The transport is a config choice (`EngineConfig.kv_transport`):
   each reader). Works between any two processes.
 - "nixl": Ray Direct Transport over NVIDIA NIXL (UCX underneath: shared memory or
   RDMA; GPU memory stays on the GPU). Each exporting rank keeps its slice in its own
-  RDT store and hands out a `KVRef`; each decode rank pulls, one-sided, only the KV
-  heads it owns, straight from the prefill rank that holds them. Nothing has to be
-  set up between the two sides beforehand, so pools can scale freely.
+  RDT store and hands out a `KVRef`; each decode rank pulls, one-sided, only the
+  parts that hold KV heads it owns, straight from the prefill ranks that hold them
+  (the decode replica itself at TP 1; each rank actor at TP > 1, see
+  `workers/tp/group.py`). Nothing has to be set up between the two sides
+  beforehand, so pools can scale freely.
 
 Ray's collective transports (gloo, nccl) do not fit elastic pools: both actors must
 belong to one collective group created up front, and Ray's torch-gloo group is the
@@ -122,14 +124,13 @@ def fetch_all(parts: Sequence[KVPart]) -> list[KVBlocks]:
     return [fetch(p) for p in parts]
 
 
-def materialize(parts: Sequence[KVPart], dst_rank: int, dst_tp: int, from_block: int) -> KVBlocks:
-    """Rank `dst_rank` of `dst_tp`'s share of one export (all source ranks' parts, in
-    rank order, already checked to agree): its KV heads, from request block
-    `from_block` on. Fetches only the parts that hold some of those heads.
+def head_ranges(parts: Sequence[KVPart], dst_rank: int, dst_tp: int) -> list[tuple[int, int, int]]:
+    """(source part, first head, end head) within each source part that rank `dst_rank`
+    of `dst_tp` takes its KV heads from, in order.
 
     Ranks own contiguous, equal runs of KV heads (rank r of t holds heads
     [r * H / t, (r + 1) * H / t)), so a destination rank's run is cut from the source
-    runs it overlaps, in order.
+    runs it overlaps.
     """
     src_tp = len(parts)
     heads = parts[0].shape[2] * src_tp
@@ -138,18 +139,28 @@ def materialize(parts: Sequence[KVPart], dst_rank: int, dst_tp: int, from_block:
             f"rank {dst_rank} of a TP degree of {dst_tp} cannot take a share of {heads} KV heads"
         )
     lo, hi = dst_rank * heads // dst_tp, (dst_rank + 1) * heads // dst_tp
-    pieces = []
-    for r, part in enumerate(parts):
+    ranges = []
+    for r in range(src_tp):
         part_lo, part_hi = r * heads // src_tp, (r + 1) * heads // src_tp
         a, b = max(lo, part_lo), min(hi, part_hi)
-        if a >= b:
-            continue
-        kv = fetch(part)
+        if a < b:
+            ranges.append((r, a - part_lo, b - part_lo))
+    return ranges
+
+
+def materialize(parts: Sequence[KVPart], dst_rank: int, dst_tp: int, from_block: int) -> KVBlocks:
+    """Rank `dst_rank` of `dst_tp`'s share of one export (all source ranks' parts, in
+    rank order, already checked to agree): its KV heads, from request block
+    `from_block` on. Fetches only the parts that hold some of those heads (whole: a
+    Ray object is fetched whole)."""
+    pieces = []
+    for r, a, b in head_ranges(parts, dst_rank, dst_tp):
+        kv = fetch(parts[r])
         if not kv.start_block <= from_block <= kv.end_block:
             raise ValueError(
                 f"from_block={from_block} is outside the exported blocks "
                 f"[{kv.start_block}, {kv.end_block})"
             )
-        pieces.append(kv.data[:, :, a - part_lo : b - part_lo, from_block - kv.start_block :])
+        pieces.append(kv.data[:, :, a:b, from_block - kv.start_block :])
     data = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return KVBlocks(data, dst_rank, dst_tp, from_block)

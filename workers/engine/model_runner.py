@@ -161,6 +161,13 @@ class ModelRunner:
         kv = kv_transfer.export_blocks(self, block_ids, start_block)
         return [kv_transport.publish(kv, transport)]
 
+    def prefetch(self, parts: list[KVPart]) -> list[KVPart]:
+        """The export's parts held in this process (a transfer for KVRefs); thread-safe."""
+        return list(kv_transport.fetch_all(parts))
+
+    def release_prefetched(self, parts: list[KVPart]) -> None:
+        """Nothing to release: prefetched parts live in the list `prefetch` returned."""
+
     def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
         """Writes this rank's KV heads of an export (every source rank's part, in rank
         order), from request block `from_block` on, into `block_ids`."""

@@ -4,18 +4,23 @@ The engine drives it exactly like an in-process ModelRunner (`execute(step)
 -> logits`): each step is sent to every rank, the ranks exchange activations
 over torch.distributed, and rank 0's logits come back. A rank that dies turns
 the next step into a RuntimeError naming it, rather than a hang.
+
+Handed-over KV blocks under a direct transport (KVRefs) go rank to rank: each rank
+pulls the prefill ranks' parts that hold its KV heads itself (`prefetch`, callable from
+any thread while steps run) and the import only writes what is already there.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import torch
 
 from workers.engine import kv_transport
-from workers.engine.kv_transport import KVPart
+from workers.engine.kv_transport import KVPart, KVRef, KVTransferError
 from workers.engine.model_runner import RunnerSpec, StepInput
-from workers.tp.worker import TPWorker
+from workers.tp.worker import KV_PULL_GROUP, TPWorker
 
 _PLACEMENT_TIMEOUT_S = 60.0
 
@@ -49,7 +54,7 @@ class TPWorkerGroup:
                 f"no node has room for {tp_size} TP ranks ({bundle} each) within "
                 f"{_PLACEMENT_TIMEOUT_S:.0f}s; lower the TP degree or add resources"
             ) from e
-        actor = ray.remote(TPWorker)
+        actor = ray.remote(concurrency_groups={KV_PULL_GROUP: 1})(TPWorker)
         self.workers = [
             actor.options(
                 num_cpus=1,
@@ -61,6 +66,9 @@ class TPWorkerGroup:
             for rank in range(tp_size)
         ]
         self._failure: str | None = None
+        # Keys of exports every rank has pulled and holds for import (see prefetch).
+        self._staged: set[str] = set()
+        self._staged_lock = threading.Lock()
         try:
             address, port = ray.get(self.workers[0].rendezvous_address.remote())
             self._gather([w.start.remote(address, port, spec) for w in self.workers])
@@ -79,17 +87,56 @@ class TPWorkerGroup:
             [w.export_blocks.remote(block_ids, start_block, transport) for w in self._ranks()]
         )
 
+    def prefetch(self, parts: list[KVPart]) -> list[KVPart]:
+        """Has every rank pull its KV heads of a direct-transport export (KVRefs) from the
+        prefill ranks and hold them for `import_blocks`; returns the parts to import.
+        Safe to call from any thread while steps run: the pulls run on each rank's own
+        transfer thread. KVTransferError (nothing left staged) if any rank's pull fails."""
+        if not _all_refs(parts):
+            return parts
+        key = _export_key(parts)
+        errors = [e for e in self._gather([w.pull.remote(key, parts) for w in self._ranks()]) if e]
+        if errors:
+            for w in self.workers:
+                w.drop_staged.remote(key)
+            raise KVTransferError("; ".join(errors))
+        with self._staged_lock:
+            self._staged.add(key)
+        return parts
+
+    def release_prefetched(self, parts: list[KVPart]) -> None:
+        """Drops a prefetched export that will not be imported (its request ended first)."""
+        if not _all_refs(parts):
+            return
+        key = _export_key(parts)
+        with self._staged_lock:
+            if key not in self._staged:
+                return
+            self._staged.discard(key)
+        for w in self.workers:
+            w.drop_staged.remote(key)  # queued behind the rank's pull of it, if any
+
     def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
         """Writes each rank's KV heads of an export (every source rank's part, in rank
         order), from request block `from_block` on, into `block_ids`.
 
-        Parts still held by their exporters are fetched here first: a transfer that fails
-        inside a rank would take the whole group down with it. (AsyncEngine fetches them
-        before the request reaches the engine, so this costs no step any time.)"""
+        KVRefs are pulled by the ranks themselves, here if `prefetch` has not done it yet
+        (AsyncEngine always has, so the transfer costs no step). Parts already in this
+        process are cut into one contiguous share per rank and sent to each: the pickled
+        tensor does not drag the other ranks' heads along."""
         ranks = self._ranks()
+        if _all_refs(parts):
+            key = _export_key(parts)
+            with self._staged_lock:
+                staged = key in self._staged
+                self._staged.discard(key)
+            if not staged:
+                self.prefetch(parts)
+                with self._staged_lock:
+                    self._staged.discard(key)
+            self._gather([w.import_staged.remote(block_ids, key, from_block) for w in ranks])
+            return
         local = kv_transport.fetch_all(parts)
-        # Each rank gets only its share, contiguous, so the pickled tensor does not drag
-        # the other ranks' heads along.
         shares = [
             kv_transport.materialize(local, rank, self.tp_size, from_block)
             for rank in range(self.tp_size)
@@ -100,6 +147,10 @@ class TPWorkerGroup:
                 for w, kv in zip(ranks, shares, strict=True)
             ]
         )
+
+    def pull_stats(self) -> list[tuple[int, int, int]]:
+        """Per rank: (exports pulled, bytes pulled, exports still staged)."""
+        return self._gather([w.pull_stats.remote() for w in self._ranks()])
 
     def weight_bytes(self) -> list[int]:
         return self._gather([w.weight_bytes.remote() for w in self._ranks()])
@@ -146,3 +197,12 @@ class TPWorkerGroup:
                     f"must be restarted: {e}"
                 ) from e
         return ray.get(refs)
+
+
+def _all_refs(parts: list[KVPart]) -> bool:
+    return isinstance(parts, list) and bool(parts) and all(isinstance(p, KVRef) for p in parts)
+
+
+def _export_key(parts: list[KVRef]) -> str:
+    # One export's parts are distinct Ray objects, so the first one names it.
+    return parts[0].ref.hex()

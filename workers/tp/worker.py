@@ -1,5 +1,12 @@
 """One tensor-parallel rank: a member of the torch.distributed group that owns
-its shard of the weights and its slice of every KV-cache block."""
+its shard of the weights and its slice of every KV-cache block.
+
+A rank pulls handed-over KV blocks itself, straight from the prefill ranks over Ray
+Direct Transport (`pull`), on a thread of its own (the "kv_pull" concurrency group)
+so a transfer runs while the rank computes steps; the data waits here, staged under
+the export's key, until the engine imports it into freshly allocated blocks between
+steps (`import_staged`) or gives up on the request (`drop_staged`).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +15,22 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 
+import ray
 import torch
 import torch.distributed as dist
 
-from workers.engine import kv_transfer
+from workers.engine import kv_transfer, kv_transport
 from workers.engine.kv_transfer import KVBlocks
-from workers.engine.kv_transport import KVPart
+from workers.engine.kv_transport import KVPart, KVRef
 from workers.engine.model_runner import ModelRunner, RunnerSpec, StepInput
 from workers.model.parallel import TPGroup
 
 # A rank stuck in a collective because a peer died gives up after this long;
 # the group notices the dead peer much sooner (see TPWorkerGroup._gather).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+# The concurrency group of the calls that move handed-over KV data in and out of the
+# staging area; everything else runs, one call at a time, in Ray's default group.
+KV_PULL_GROUP = "kv_pull"
 
 
 class TPWorker:
@@ -31,6 +42,12 @@ class TPWorker:
         torch.set_num_threads(num_threads)
         self.runner: ModelRunner | None = None
         self.tp: TPGroup | None = None
+        # Export key -> this rank's share of it, pulled and waiting for its import.
+        # Written by the kv_pull thread, popped by the default one (single dict
+        # operations, atomic under the GIL).
+        self._staged: dict[str, KVBlocks] = {}
+        self.num_pulls = 0
+        self.num_pulled_bytes = 0
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's node address and a port free on it, for the group's TCP store."""
@@ -71,6 +88,41 @@ class TPWorker:
     def import_blocks(self, block_ids: list[int], kv: KVBlocks) -> None:
         """Writes this rank's share, already cut for it, into `block_ids`."""
         kv_transfer.import_blocks(self._runner(), block_ids, kv)
+
+    @ray.method(concurrency_group=KV_PULL_GROUP)
+    def pull(self, key: str, parts: list[KVRef]) -> str | None:
+        """Fetches the source parts that hold this rank's KV heads of an export (all
+        its blocks) and stages the share under `key`. Returns None, or why it failed:
+        a failed transfer is the request's problem, never a reason to fail the rank."""
+        try:
+            share = kv_transport.materialize(
+                parts, self.rank, self.world_size, parts[0].start_block
+            )
+        except (ValueError, RuntimeError) as e:  # KVTransferError is a RuntimeError
+            return f"TP rank {self.rank}: {e}"
+        self._staged[key] = replace(share, data=share.data.contiguous())
+        self.num_pulls += 1
+        sources = kv_transport.head_ranges(parts, self.rank, self.world_size)
+        self.num_pulled_bytes += sum(parts[r].nbytes for r, _, _ in sources)
+        return None
+
+    @ray.method(concurrency_group=KV_PULL_GROUP)
+    def drop_staged(self, key: str) -> None:
+        self._staged.pop(key, None)
+
+    def import_staged(self, block_ids: list[int], key: str, from_block: int) -> None:
+        """Writes the share staged under `key`, from request block `from_block` on, into
+        `block_ids` and forgets it."""
+        share = self._staged.pop(key, None)
+        if share is None:
+            raise RuntimeError(f"TP rank {self.rank} has no KV staged under {key!r}")
+        data = share.data[:, :, :, from_block - share.start_block :]
+        kv = replace(share, data=data, start_block=from_block)
+        kv_transfer.import_blocks(self._runner(), block_ids, kv)
+
+    def pull_stats(self) -> tuple[int, int, int]:
+        """(pulls, bytes pulled, exports still staged) of this rank."""
+        return self.num_pulls, self.num_pulled_bytes, len(self._staged)
 
     def weight_bytes(self) -> int:
         """Bytes of model weights this rank holds (all layouts it keeps)."""
