@@ -199,6 +199,7 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
     @ray.remote(num_cpus=0)
     class Engines:
         def staged_after_each_way_out(self) -> dict:
+            import time
             from dataclasses import replace
 
             from workers.engine.engine import LLMEngine
@@ -222,6 +223,13 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
             def now() -> list[int]:
                 return [s for _, _, s in decode.runner.pull_stats()]
 
+            def settled() -> list[int]:
+                # Drops are posted to the ranks without waiting: poll until they land.
+                deadline = time.monotonic() + 30
+                while (counts := now()) != [0, 0] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                return counts
+
             try:
                 handle, parts = export("a")
                 parts = decode.prefetch_kv(parts)
@@ -230,16 +238,16 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
                 try:
                     decode.add_prefilled_request("a", prompt, params, bad, parts)
                 except ValueError:
-                    staged["refused"] = now()
+                    staged["refused"] = settled()
                 parts = decode.prefetch_kv(parts)
                 decode.add_prefilled_request("a", prompt, params, handle, parts)
                 decode.abort("a")  # before any step: its import never ran
-                staged["aborted"] = now()
+                staged["aborted"] = settled()
                 lost = [replace(parts[0], ref=ray.put(torch.zeros(1)))]
                 try:
                     decode.prefetch_kv(lost)
                 except KVTransferError as e:
-                    staged["failed"] = (now(), str(e))
+                    staged["failed"] = (settled(), str(e))
                 stats = decode.stats()
                 staged["free"] = (stats.num_free_blocks, stats.num_total_blocks)
             finally:
