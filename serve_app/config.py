@@ -143,4 +143,5 @@ class AppConfig(_Frozen):
             model_id=model_id,
             handoff_timeout_s=self.handoff_timeout_s,
             kv_transport=self.transport,
+            detokenize=False,  # the router makes the text (serve_app/text_stream.py)
         )

@@ -3,7 +3,8 @@
 Both public surfaces (gRPC and OpenAI HTTP) turn a request into a `PromptInput` and
 `SamplingParams`; `ModelFrontend` tokenizes the prompt, checks the request against the
 model (the engine's own checks, so bad input is refused before it costs a replica
-anything) and hashes the prompt's full blocks exactly as the engines do.
+anything) and hashes the prompt's full blocks exactly as the engines do; the engines'
+token ids become text again in `text_stream`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve_app.protocol import EngineRequest
+from serve_app.text_stream import TextStream, engine_params
 from workers.engine.block_hash import hash_full_blocks, root_hash
 from workers.engine.sampling_params import SamplingParams, check_request
 from workers.model.config import ModelConfig
@@ -73,7 +75,14 @@ class ModelFrontend:
         params: SamplingParams,
         cache_salt: str | None,
     ) -> EngineRequest:
-        """Checks a tokenized request; ValueError naming the field if it cannot run."""
+        """Checks a tokenized request; ValueError naming the field if it cannot run. The
+        engine is asked for it without stop strings: the router applies them (TextStream)."""
         check_request(ids, params, self.vocab_size, self.max_model_len)
         hashes = hash_full_blocks(ids, self.block_size, root_hash(self.model_id, cache_salt))
-        return EngineRequest(request_id, tuple(ids), params, cache_salt, tuple(hashes))
+        return EngineRequest(
+            request_id, tuple(ids), engine_params(params), cache_salt, tuple(hashes)
+        )
+
+    def text_stream(self, ids: list[int], params: SamplingParams) -> TextStream:
+        """Text and stop strings for the engine outputs of a request built from these."""
+        return TextStream(self.tokenizer.hf, ids, params, self.eos_token_ids)

@@ -4,8 +4,9 @@ gRPC (baton.v1.Baton and grpc.health.v1.Health: Serve's gRPC proxy calls the met
 the RPC's name) and OpenAI-compatible HTTP (a FastAPI app) share one path: tokenize and
 check the request (`ModelFrontend`), ask the prefix registry which replicas hold how much
 of the prompt, and stream the engine outputs from the pool (decode, or aggregated) whose
-Serve request router places the request by those hints. Replicas detokenize and apply
-stop strings as they produce tokens, so outputs arrive here ready to send.
+Serve request router places the request by those hints. The replicas send token ids;
+text and stop strings are applied here (`TextStream`), so the engine loops spend nothing
+on text and a stop string ends the request for the client at once.
 """
 
 import asyncio
@@ -37,6 +38,7 @@ from serve_app.metrics import RouterMetrics
 from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
 from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
+from serve_app.text_stream import TextStream
 from workers.engine.engine import RequestOutput
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.model.loader import model_identity
@@ -120,24 +122,26 @@ class Router:
 
     async def _engine_request(
         self, ids: list[int], params: SamplingParams, cache_salt: str | None
-    ) -> EngineRequest:
+    ) -> tuple[EngineRequest, TextStream]:
         # Internal ids are always fresh: two clients may send the same request_id.
         request = self.frontend.build_request(uuid.uuid4().hex, ids, params, cache_salt)
         if request.block_hashes:
             hits = await self.registry.longest_prefixes.remote(list(request.block_hashes))
             request = replace(request, prefix_hits=hits)
-        return request
+        return request, self.frontend.text_stream(ids, params)
 
     async def _outputs(
-        self, request: EngineRequest, api: str, started: float
+        self, request: EngineRequest, text: TextStream, api: str, started: float
     ) -> AsyncIterator[RequestOutput]:
-        """The pool's outputs for a checked request, timed and counted for the metrics."""
+        """The pool's outputs for a checked request, with their text, timed and counted
+        for the metrics."""
         last: RequestOutput | None = None
         last_at = started
         status = "internal"
         outputs = self.pool.generate.remote(request)
         try:
             async for out in outputs:
+                out = text.add(out)
                 now = time.perf_counter()
                 if last is None:
                     self.metrics.first_token(api, now - started)
@@ -145,6 +149,11 @@ class Router:
                     self.metrics.next_tokens(api, now - last_at, len(out.new_token_ids))
                 last, last_at = out, now
                 yield out
+                if text.stopped:
+                    # The output ended at a stop string while the engine still decodes:
+                    # stop it now rather than when its stream is garbage-collected.
+                    outputs.cancel()
+                    break
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
@@ -178,11 +187,13 @@ class Router:
             prompt = prompt_from_proto(request.WhichOneof("prompt"), request)
             ids = self.frontend.tokenize(prompt)
             params = params_from_proto(request)
-            engine_request = await self._engine_request(ids, params, request.cache_salt or None)
+            engine_request, text = await self._engine_request(
+                ids, params, request.cache_salt or None
+            )
         except Exception as e:
             self._refused("grpc", e)
             raise
-        async for out in self._outputs(engine_request, "grpc", started):
+        async for out in self._outputs(engine_request, text, "grpc", started):
             yield out
 
     async def Generate(
@@ -312,14 +323,14 @@ class Router:
             prompt: PromptInput = req.prompt_input()
             ids = self.frontend.tokenize(prompt)
             params = req.sampling_params(self.frontend.max_model_len - len(ids))
-            engine_request = await self._engine_request(ids, params, req.cache_salt)
+            engine_request, text = await self._engine_request(ids, params, req.cache_salt)
         except Exception as e:
             self._refused("http", e)
             return _http_error(e)
         builder = openai_api.ResponseBuilder(
             chat, engine_request.request_id, self.served_model_name, self._token_text
         )
-        outputs = self._outputs(engine_request, "http", started)
+        outputs = self._outputs(engine_request, text, "http", started)
         try:
             # The first output before answering: an engine's refusal is still a 4xx.
             first = await anext(outputs)

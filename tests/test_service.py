@@ -31,6 +31,7 @@ from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import FinishReason
 
 pytestmark = pytest.mark.slow
 
@@ -115,21 +116,35 @@ def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
 ):
     engine = LLMEngine(EngineConfig(model=str(smollm2_dir), kv_cache_bytes=KV))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    expected = [
-        s.output_token_ids
-        for s in engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], params)
-    ]
-    for prompt, want in zip(PROMPTS, expected, strict=True):
-        assert list(agg.generate_unary(_greedy(prompt)).token_ids) == want, prompt
+    expected = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], params)
+    for prompt, seq in zip(PROMPTS, expected, strict=True):
+        want, want_text = seq.output_token_ids, seq.detokenizer.text
+        agg_unary = agg.generate_unary(_greedy(prompt))
+        assert (list(agg_unary.token_ids), agg_unary.text) == (want, want_text), prompt
         unary = disagg.generate_unary(_greedy(prompt))
-        assert list(unary.token_ids) == want, prompt
+        assert (list(unary.token_ids), unary.text) == (want, want_text), prompt
         streamed = list(disagg.generate(_greedy(prompt)))
         assert [t for m in streamed for t in m.token_ids] == want
-        assert "".join(m.text for m in streamed) == unary.text
+        assert "".join(m.text for m in streamed) == want_text
         last = streamed[-1]
         assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
         assert last.usage.completion_tokens == len(want)
         assert last.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+
+    # A stop string (applied by the router, not the engines) cuts the output where the
+    # in-process engine does: the same tokens, text and usage.
+    prompt, text = PROMPTS[0], expected[0].detokenizer.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    (seq,) = engine.generate(
+        [engine.tokenizer.encode(prompt)], SamplingParams(**{**vars(params), "stop": [stop]})
+    )
+    assert seq.finish_reason is FinishReason.STOP and len(seq.output_token_ids) < MAX_TOKENS
+    for client in (agg, disagg):
+        streamed = list(client.generate(_greedy(prompt, stop=[stop])))
+        assert [t for m in streamed for t in m.token_ids] == seq.output_token_ids
+        assert "".join(m.text for m in streamed) == seq.detokenizer.text
+        assert streamed[-1].finish_reason == pb.FINISH_REASON_STOP
+        assert streamed[-1].usage.completion_tokens == len(seq.output_token_ids)
 
 
 def test_the_object_store_fallback_gives_the_same_output(service, disagg, smollm2_dir, serve_ports):

@@ -41,6 +41,10 @@ class EngineConfig:
     handoff_timeout_s: float = 30.0
     # How exported blocks leave a prefill engine (workers.engine.kv_transport.TRANSPORTS).
     kv_transport: str = "object_store"
+    # False: outputs carry token ids only (empty text) and requests with stop strings
+    # are refused; for a front end that detokenizes and applies stop strings itself
+    # (Baton's router), so the engine loop spends nothing on text.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

@@ -29,7 +29,12 @@ from workers.engine.model_runner import (
     kv_cache_bytes_per_block,
 )
 from workers.engine.sampler import sample
-from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_request
+from workers.engine.sampling_params import (
+    SamplingParams,
+    TokenLogprob,
+    check_request,
+    stops_on_token,
+)
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
 from workers.model.config import ModelConfig
@@ -195,13 +200,23 @@ class LLMEngine:
                 f"prompt + max_tokens = {total} tokens exceeds the KV cache "
                 f"({self.kv.num_blocks * self.kv.block_size} tokens); lower max_tokens"
             )
+        if params.stop and not self.config.detokenize:
+            raise ValueError(
+                "stop strings need an engine that detokenizes (EngineConfig.detokenize=True); "
+                "a front end that detokenizes applies them itself"
+            )
+        detokenizer = (
+            IncrementalDetokenizer(
+                self.tokenizer.hf, prompt, params.stop, params.skip_special_tokens
+            )
+            if self.config.detokenize
+            else None
+        )
         return Sequence(
             request_id,
             prompt,
             params,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer.hf, prompt, params.stop, params.skip_special_tokens
-            ),
+            detokenizer=detokenizer,
             generator=(
                 torch.Generator().manual_seed(params.seed) if params.seed is not None else None
             ),
@@ -278,10 +293,9 @@ class LLMEngine:
             seq.first_token_time = now
         params = seq.params
         reason = None
-        stops_on_token = token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        )
-        if stops_on_token or seq.detokenizer is not None and seq.detokenizer.add_token(token):
+        if stops_on_token(token, params, self.eos_token_ids) or (
+            seq.detokenizer is not None and seq.detokenizer.add_token(token)
+        ):
             reason = FinishReason.STOP
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH

@@ -88,6 +88,12 @@ def check_request(
         )
 
 
+def stops_on_token(token: int, params: SamplingParams, eos_token_ids) -> bool:
+    """Whether sampling `token` ends the request by itself (a stop token, or EOS unless
+    ignored). Such a token is kept in the output but adds no text."""
+    return token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
