@@ -56,9 +56,11 @@ class TextStream:
             if self._detokenizer.add_token(token):
                 self.stopped, kept = True, i + 1
                 break
-        if out.finish_reason is FinishReason.ABORT and not self.stopped:
-            return out  # ended early: what was held back is never released
-        finished = out.finished or self.stopped
+        if self.stopped:
+            finished = True
+        else:
+            # An abort ends the output early: what is held back is never released.
+            finished = out.finished and out.finish_reason is not FinishReason.ABORT
         text = self._detokenizer.release(finished=finished)
         if not self.stopped:
             return replace(out, new_text=text)

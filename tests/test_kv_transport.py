@@ -206,19 +206,24 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
             from workers.engine.sampling_params import SamplingParams
 
             def engine(**kw) -> LLMEngine:
-                return LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, **kw))
+                return LLMEngine(EngineConfig(model=model_dir, **{"num_kv_blocks": 64, **kw}))
 
             prefill = engine(kv_transport="nixl")
-            decode = engine(tensor_parallel_size=2)
+            # Four blocks of 16 tokens: room for one request at a time.
+            decode = engine(tensor_parallel_size=2, num_kv_blocks=4)
             params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
             prompt = list(range(3, 40))
             staged = {}
 
-            def export(rid: str):
-                prefill.add_request(rid, prompt, params, prefill_only=True)
+            def export(rid: str, tokens: list[int]):
+                prefill.add_request(rid, tokens, params, prefill_only=True)
                 while prefill.has_unfinished():
                     prefill.step()
                 return prefill.export_kv(rid)
+
+            def drain() -> None:
+                while decode.has_unfinished():
+                    decode.step()
 
             def now() -> list[int]:
                 return [s for _, _, s in decode.runner.pull_stats()]
@@ -231,7 +236,7 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
                 return counts
 
             try:
-                handle, parts = export("a")
+                handle, parts = export("a", prompt)
                 parts = decode.prefetch_kv(parts)
                 staged["prefetched"] = now()
                 bad = replace(handle, num_tokens=handle.num_tokens + 1)
@@ -239,10 +244,28 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
                     decode.add_prefilled_request("a", prompt, params, bad, parts)
                 except ValueError:
                     staged["refused"] = settled()
+
+                # Decode computed this two-block prompt itself meanwhile: the import
+                # needs no block, and its pulled export is dropped.
+                two_blocks = list(range(3, 35))
+                decode.add_request("warm", two_blocks, params)
+                drain()
+                b_handle, b_parts = export("b", two_blocks)
+                b_parts = decode.prefetch_kv(b_parts)
+                decode.add_prefilled_request("b", two_blocks, params, b_handle, b_parts)
+                staged["all_cached"] = settled()
+                drain()
+
+                # An import waiting for blocks that is aborted drops its pull.
+                decode.add_request("filler", list(range(3, 53)), params)
+                decode.step()  # the filler's prompt takes all four blocks
                 parts = decode.prefetch_kv(parts)
                 decode.add_prefilled_request("a", prompt, params, handle, parts)
-                decode.abort("a")  # before any step: its import never ran
+                staged["waiting"] = (now(), decode.stats().imports_waiting)
+                decode.abort("a")
                 staged["aborted"] = settled()
+                decode.abort("filler")
+
                 lost = [replace(parts[0], ref=ray.put(torch.zeros(1)))]
                 try:
                     decode.prefetch_kv(lost)
@@ -260,8 +283,8 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
         staged = ray.get(engines.staged_after_each_way_out.remote())
     finally:
         ray.kill(engines)
-    assert staged["prefetched"] == [1, 1]
-    assert staged["refused"] == staged["aborted"] == [0, 0]
+    assert staged["prefetched"] == [1, 1] and staged["waiting"] == ([1, 1], 1)
+    assert staged["refused"] == staged["all_cached"] == staged["aborted"] == [0, 0]
     # A part whose data is not what its exporter announced is a transfer error, and the
     # group is still usable afterwards (its stats were read after it).
     assert staged["failed"][0] == [0, 0] and "announced" in staged["failed"][1]

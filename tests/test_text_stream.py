@@ -92,13 +92,32 @@ def test_free_runs_and_stop_tokens_match_the_engine(engines, group):
     _same(expected, _routed(tokens_only, params, group))
 
 
-def test_an_abort_passes_through_without_the_held_text(engines):
-    _, tokens_only = engines
-    stream = TextStream(tokens_only.tokenizer.hf, PROMPT, SamplingParams(stop=["zzz"]), [])
-    first = stream.add(RequestOutput("r", [104, 105], "", num_output_tokens=2))
-    assert first.new_text == ""  # "hi": the last two characters wait while "zzz" could follow
-    aborted = RequestOutput("r", [], "", finished=True, finish_reason=FinishReason.ABORT)
-    assert stream.add(aborted) is aborted
+def test_eos_matches_the_engine(engines, tmp_path):
+    with_text, _ = engines
+    # The same weights, with the token the model emits at step 6 declared as EOS.
+    eos = _outputs(with_text, FREE)[5].new_token_ids[0]
+    model_dir = str(make_tiny_model(tmp_path, eos_token_id=eos))
+    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=1)
+    expected = _outputs(LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64)), params)
+    assert expected[-1].new_token_ids[-1] == eos
+    tokens_only = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, detokenize=False))
+    _same(expected, _routed(tokens_only, params, 2))
+
+
+def test_an_abort_keeps_the_text_of_the_tokens_before_it(engines):
+    with_text, tokens_only = engines
+    expected = _outputs(with_text, FREE)[:4]
+    assert "".join(o.new_text for o in expected)
+    outs = _outputs(tokens_only, FREE)[:4]
+    aborted = RequestOutput(
+        "r", [], "", finished=True, finish_reason=FinishReason.ABORT, num_output_tokens=4
+    )
+    stream = TextStream(tokens_only.tokenizer.hf, PROMPT, FREE, [])
+    # A lagging consumer gets the tokens and the abort merged into one output.
+    got = stream.add(merge_outputs([*outs, aborted]))
+    assert got.new_token_ids == [t for o in expected for t in o.new_token_ids]
+    assert got.new_text == "".join(o.new_text for o in expected)
+    assert (got.finished, got.finish_reason) == (True, FinishReason.ABORT)
 
 
 def test_a_tokens_only_engine_refuses_stop_strings(engines):

@@ -138,6 +138,8 @@ class AsyncEngine:
         .add_prefilled_request); its first output repeats the handed-over token."""
         prompt = list(prompt_token_ids)
         if any(isinstance(p, KVRef) for p in kv_parts):
+            with self._cond:
+                self._check_room()  # a request refused anyway should not pay the transfer
             # Pulled from the prefill ranks (by this engine's own ranks under TP) off the
             # engine thread: the transfer never stalls other requests' steps, and one that
             # fails (its exporter died) fails this request before it reaches the engine.
@@ -156,8 +158,9 @@ class AsyncEngine:
         try:
             async for out in stream:
                 yield out
-        except EngineOverloadedError:
-            # Refused before reaching the engine, which frees everything it was given.
+        except (EngineOverloadedError, EngineDeadError):
+            # Perhaps refused before reaching the engine, which would have freed what it
+            # was given (a second release is a no-op).
             self.engine.release_prefetched_kv(kv_parts)
             raise
         finally:
@@ -184,12 +187,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = Stream(request_id, loop, num_prompt_tokens)
         with self._cond:
-            self._check_alive()
-            limit = self.max_pending_requests
-            if limit is not None and self._stats.num_waiting + self._num_queued_adds >= limit:
-                raise EngineOverloadedError(
-                    f"{limit} requests are already waiting for this engine; retry later"
-                )
+            self._check_room()
             self._num_queued_adds += 1
             self._commands.append(Add(stream, submit))
             self._cond.notify()
@@ -221,6 +219,16 @@ class AsyncEngine:
                 # Consumer gone (closed, cancelled, client disconnect): free the blocks.
                 # Queued, not awaited: awaiting is unsafe while being cancelled.
                 self._enqueue_abort(Abort(request_id, stream=stream))
+
+    def _check_room(self) -> None:
+        """EngineDeadError or EngineOverloadedError unless a new request may queue; call
+        with the lock held."""
+        self._check_alive()
+        limit = self.max_pending_requests
+        if limit is not None and self._stats.num_waiting + self._num_queued_adds >= limit:
+            raise EngineOverloadedError(
+                f"{limit} requests are already waiting for this engine; retry later"
+            )
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a request by id; True if it was running or waiting. Its generate() ends

@@ -361,6 +361,7 @@ class LLMEngine:
             self.runner.release_prefetched(kv_parts)  # prefetch_kv's pulls will not be used
             raise
         self._requests[request_id] = seq
+        self._admit_imports(time.monotonic())
 
     def prefetch_kv(self, kv_parts: list[KVPart]) -> list[KVPart]:
         """Decode side, callable from any thread while steps run: moves a handoff's blocks
@@ -373,7 +374,6 @@ class LLMEngine:
         """Frees what `prefetch_kv` moved for a handoff that will not be added (any
         thread; a no-op when nothing is held). Aborting an added request frees it too."""
         self.runner.release_prefetched(kv_parts)
-        self._admit_imports(time.monotonic())
 
     def _admit_imports(self, now: float) -> None:
         for seq, handle in self.imports.admit(self.config.max_num_seqs):

@@ -242,6 +242,8 @@ class KVImports:
                 start = time.perf_counter()
                 self.runner.import_blocks(new_blocks, p.parts, p.from_block)
                 self.import_s += time.perf_counter() - start
+            else:  # this engine cached every block meanwhile: the export is not needed
+                self.runner.release_prefetched(p.parts)
             self.num_blocks_imported += len(new_blocks)
             p.seq.num_computed_tokens = p.handle.num_tokens
             self.kv.commit_computed_blocks(p.seq)

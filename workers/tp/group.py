@@ -20,9 +20,12 @@ import torch
 from workers.engine import kv_transport
 from workers.engine.kv_transport import KVPart, KVRef, KVTransferError
 from workers.engine.model_runner import RunnerSpec, StepInput
-from workers.tp.worker import KV_PULL_GROUP, TPWorker
+from workers.tp.worker import TPWorker
 
 _PLACEMENT_TIMEOUT_S = 60.0
+# The ranks' concurrency group for moving handed-over KV into and out of their staging
+# area: its own thread, so a pull overlaps the steps run in Ray's default group.
+_KV_PULL = "kv_pull"
 
 
 class TPWorkerGroup:
@@ -54,7 +57,7 @@ class TPWorkerGroup:
                 f"no node has room for {tp_size} TP ranks ({bundle} each) within "
                 f"{_PLACEMENT_TIMEOUT_S:.0f}s; lower the TP degree or add resources"
             ) from e
-        actor = ray.remote(concurrency_groups={KV_PULL_GROUP: 1})(TPWorker)
+        actor = ray.remote(concurrency_groups={_KV_PULL: 1})(TPWorker)
         self.workers = [
             actor.options(
                 num_cpus=1,
@@ -68,7 +71,7 @@ class TPWorkerGroup:
         self._failure: str | None = None
         # Keys of exports every rank has pulled and holds for import (see prefetch).
         self._staged: set[str] = set()
-        self._staged_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _staged and shutting down
         try:
             address, port = ray.get(self.workers[0].rendezvous_address.remote())
             self._gather([w.start.remote(address, port, spec) for w in self.workers])
@@ -95,12 +98,13 @@ class TPWorkerGroup:
         if not _all_refs(parts):
             return parts
         key = _export_key(parts)
-        errors = [e for e in self._gather([w.pull.remote(key, parts) for w in self._ranks()]) if e]
+        pulls = [_on_pull_thread(w.pull).remote(key, parts) for w in self._ranks()]
+        errors = [e for e in self._gather(pulls) if e]
         if errors:
             for w in self.workers:
-                w.drop_staged.remote(key)
+                _on_pull_thread(w.drop_staged).remote(key)
             raise KVTransferError("; ".join(errors))
-        with self._staged_lock:
+        with self._lock:
             self._staged.add(key)
         return parts
 
@@ -109,12 +113,13 @@ class TPWorkerGroup:
         if not _all_refs(parts):
             return
         key = _export_key(parts)
-        with self._staged_lock:
+        with self._lock:
             if key not in self._staged:
                 return
             self._staged.discard(key)
         for w in self.workers:
-            w.drop_staged.remote(key)  # queued behind the rank's pull of it, if any
+            # Queued behind the rank's pull of it, if any (one thread, in order).
+            _on_pull_thread(w.drop_staged).remote(key)
 
     def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
         """Writes each rank's KV heads of an export (every source rank's part, in rank
@@ -127,12 +132,12 @@ class TPWorkerGroup:
         ranks = self._ranks()
         if _all_refs(parts):
             key = _export_key(parts)
-            with self._staged_lock:
+            with self._lock:
                 staged = key in self._staged
                 self._staged.discard(key)
             if not staged:
                 self.prefetch(parts)
-                with self._staged_lock:
+                with self._lock:
                     self._staged.discard(key)
             self._gather([w.import_staged.remote(block_ids, key, from_block) for w in ranks])
             return
@@ -159,15 +164,17 @@ class TPWorkerGroup:
         return max(self._gather([w.time_all_reduce.remote(numel, iters) for w in self._ranks()]))
 
     def shutdown(self) -> None:
-        """Kills the ranks and frees their placement group; safe to call twice."""
-        if self.placement_group is None:
+        """Kills the ranks and frees their placement group; safe to call twice, and from
+        the engine thread and a prefetching thread at once (both may see a rank die)."""
+        with self._lock:
+            pg, self.placement_group = self.placement_group, None
+            workers, self.workers = self.workers, []
+            self._failure = self._failure or "the worker group was shut down"
+        if pg is None:
             return
-        for w in self.workers:
+        for w in workers:
             self._ray.kill(w)
-        self._remove_pg(self.placement_group)
-        self.placement_group = None
-        self.workers = []
-        self._failure = self._failure or "the worker group was shut down"
+        self._remove_pg(pg)
 
     def _ranks(self) -> list:
         if self._failure is not None:
@@ -197,6 +204,10 @@ class TPWorkerGroup:
                     f"must be restarted: {e}"
                 ) from e
         return ray.get(refs)
+
+
+def _on_pull_thread(method):
+    return method.options(concurrency_group=_KV_PULL)
 
 
 def _all_refs(parts: list[KVPart]) -> bool:

@@ -2,10 +2,11 @@
 its shard of the weights and its slice of every KV-cache block.
 
 A rank pulls handed-over KV blocks itself, straight from the prefill ranks over Ray
-Direct Transport (`pull`), on a thread of its own (the "kv_pull" concurrency group)
-so a transfer runs while the rank computes steps; the data waits here, staged under
-the export's key, until the engine imports it into freshly allocated blocks between
-steps (`import_staged`) or gives up on the request (`drop_staged`).
+Direct Transport (`pull`). The group calls `pull` and `drop_staged` in a concurrency
+group of their own, so a transfer runs on its own thread while the rank computes
+steps; the data waits here, staged under the export's key, until the engine imports
+it into freshly allocated blocks between steps (`import_staged`) or gives up on the
+request (`drop_staged`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -28,9 +28,6 @@ from workers.model.parallel import TPGroup
 # A rank stuck in a collective because a peer died gives up after this long;
 # the group notices the dead peer much sooner (see TPWorkerGroup._gather).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-# The concurrency group of the calls that move handed-over KV data in and out of the
-# staging area; everything else runs, one call at a time, in Ray's default group.
-KV_PULL_GROUP = "kv_pull"
 
 
 class TPWorker:
@@ -89,7 +86,6 @@ class TPWorker:
         """Writes this rank's share, already cut for it, into `block_ids`."""
         kv_transfer.import_blocks(self._runner(), block_ids, kv)
 
-    @ray.method(concurrency_group=KV_PULL_GROUP)
     def pull(self, key: str, parts: list[KVRef]) -> str | None:
         """Fetches the source parts that hold this rank's KV heads of an export (all
         its blocks) and stages the share under `key`. Returns None, or why it failed:
@@ -98,15 +94,15 @@ class TPWorker:
             share = kv_transport.materialize(
                 parts, self.rank, self.world_size, parts[0].start_block
             )
-        except (ValueError, RuntimeError) as e:  # KVTransferError is a RuntimeError
+            share = replace(share, data=share.data.contiguous())
+        except (ValueError, RuntimeError) as e:  # KVTransferError and OOM are RuntimeErrors
             return f"TP rank {self.rank}: {e}"
-        self._staged[key] = replace(share, data=share.data.contiguous())
+        self._staged[key] = share
         self.num_pulls += 1
         sources = kv_transport.head_ranges(parts, self.rank, self.world_size)
         self.num_pulled_bytes += sum(parts[r].nbytes for r, _, _ in sources)
         return None
 
-    @ray.method(concurrency_group=KV_PULL_GROUP)
     def drop_staged(self, key: str) -> None:
         self._staged.pop(key, None)
 
