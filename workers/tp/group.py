@@ -98,15 +98,19 @@ class TPWorkerGroup:
         if not _all_refs(parts):
             return parts
         key = _export_key(parts)
+        self._pull(key, parts)
+        with self._lock:
+            self._staged.add(key)
+        return parts
+
+    def _pull(self, key: str, parts: list[KVRef]) -> None:
+        """Every rank stages its share of the export under `key`, or none does."""
         pulls = [_on_pull_thread(w.pull).remote(key, parts) for w in self._ranks()]
         errors = [e for e in self._gather(pulls) if e]
         if errors:
             for w in self.workers:
                 _on_pull_thread(w.drop_staged).remote(key)
             raise KVTransferError("; ".join(errors))
-        with self._lock:
-            self._staged.add(key)
-        return parts
 
     def release_prefetched(self, parts: list[KVPart]) -> None:
         """Drops a prefetched export that will not be imported (its request ended first)."""
@@ -136,9 +140,7 @@ class TPWorkerGroup:
                 staged = key in self._staged
                 self._staged.discard(key)
             if not staged:
-                self.prefetch(parts)
-                with self._lock:
-                    self._staged.discard(key)
+                self._pull(key, parts)
             self._gather([w.import_staged.remote(block_ids, key, from_block) for w in ranks])
             return
         local = kv_transport.fetch_all(parts)
