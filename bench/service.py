@@ -8,7 +8,13 @@ inter-token latency p50/p99 per system and concurrency, ratio.*.{agg,disagg}_ove
 and, per KV transport, the handoff time of a 512-token prompt next to its prefill time
 (ratio.handoff_over_prefill_512.<transport>).
 
+The services run twice: streaming every token (stream_interval 1, the default: "agg",
+"disagg") and every `--stream-interval` tokens after the first ("agg_si<N>",
+"disagg_si<N>"), the setting that trades smooth streams for less CPU per token on the
+serving path (two Ray Serve streaming hops per message).
+
     .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 2] [--decode-threads 2]
+        [--stream-interval 4]
 
 Threads: the in-process engine and the aggregated replica use both cores (each is the
 only engine computing); the decode replica too, since prefill is a short burst per
@@ -147,15 +153,24 @@ async def main_async(args: argparse.Namespace) -> None:
     # Prefix caching off everywhere: rounds repeat prompts, and hits would measure the
     # cache rather than the serving path.
     agg_pool = PoolConfig(num_threads=args.agg_threads)
-    apps = {"agg": AppConfig(mode="aggregated", enable_prefix_caching=False, aggregated=agg_pool)}
-    for transport in TRANSPORTS:
-        apps[f"disagg_{transport}"] = AppConfig(
-            mode="disaggregated",
-            transport=transport,
+    si = args.stream_interval
+    apps = {}
+    for suffix, interval in (("", 1), (f"_si{si}", si)):
+        apps[f"agg{suffix}"] = AppConfig(
+            mode="aggregated",
             enable_prefix_caching=False,
-            prefill=PoolConfig(num_threads=args.prefill_threads),
-            decode=PoolConfig(num_threads=args.decode_threads),
+            stream_interval=interval,
+            aggregated=agg_pool,
         )
+        for transport in TRANSPORTS if interval == 1 else (AppConfig().transport,):
+            apps[f"disagg_{transport}{suffix}"] = AppConfig(
+                mode="disaggregated",
+                transport=transport,
+                enable_prefix_caching=False,
+                stream_interval=interval,
+                prefill=PoolConfig(num_threads=args.prefill_threads),
+                decode=PoolConfig(num_threads=args.decode_threads),
+            )
     for name, config in apps.items():
         log(f"deploying {name}")
         service_ops.deploy(config, app_name=name, route_prefix=f"/{name}", **ports)
@@ -170,6 +185,8 @@ async def main_async(args: argparse.Namespace) -> None:
         "engine": lambda p: engine_run(engine, p),
         "agg": lambda p: service_run(address, "agg", p),
         "disagg": lambda p: service_run(address, disagg, p),
+        f"agg_si{si}": lambda p: service_run(address, f"agg_si{si}", p),
+        f"disagg_si{si}": lambda p: service_run(address, f"{disagg}_si{si}", p),
     }
     for run in systems.values():  # warm-up
         await run(batches[8][:2])
@@ -181,7 +198,7 @@ async def main_async(args: argparse.Namespace) -> None:
             for system, run in systems.items():
                 figures = await run(prompts)
                 results.setdefault((system, c), []).append(figures)
-                log(f"  c{c} {system:7s} {figures['tok_s']:.1f} tok/s")
+                log(f"  c{c} {system:10s} {figures['tok_s']:.1f} tok/s")
     await engine.shutdown()
 
     context = {
@@ -191,6 +208,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "agg_threads": args.agg_threads,
         "prefill_threads": args.prefill_threads,
         "decode_threads": args.decode_threads,
+        "si_stream_interval": si,
         "git_commit": git_commit(),
     }
     medians: dict[tuple[str, int], dict[str, float]] = {}
@@ -200,7 +218,7 @@ async def main_async(args: argparse.Namespace) -> None:
             unit = "tok/s" if key == "tok_s" else "s"
             emit(f"{system}.c{c}_{key}", value, unit, concurrency=c, **context)
     for c in batches:
-        for system in ("agg", "disagg"):
+        for system in [name for name in systems if name != "engine"]:
             ratio = medians[system, c]["tok_s"] / medians["engine", c]["tok_s"]
             emit(f"ratio.c{c}_tok_s.{system}_over_engine", ratio, "ratio", **context)
 
@@ -222,6 +240,12 @@ def main() -> None:
     parser.add_argument("--agg-threads", type=int, default=min(2, cpu_count()))
     parser.add_argument("--prefill-threads", type=int, default=1)
     parser.add_argument("--decode-threads", type=int, default=min(2, cpu_count()))
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=4,
+        help="the stream_interval of the *_si<N> services (default 4)",
+    )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     asyncio.run(main_async(parser.parse_args()))
 

@@ -83,7 +83,9 @@ class EngineServer:
         engine_config = config.engine_config(pool, str(model_dir), model_identity(model_dir))
         self.registry = get_or_create_registry(PrefixRegistryConfig(name=config.registry_name))
         self.board = get_or_create_board(config.status_board_name)
-        self.engine = AsyncEngine.from_config(engine_config, on_kv_events=self._publish)
+        self.engine = AsyncEngine.from_config(
+            engine_config, stream_interval=config.stream_interval, on_kv_events=self._publish
+        )
         self.prefill_pool = prefill_pool
         self.handoff = HandoffStats()
         logger.info("%s replica %s ready (%s)", role, self.replica_id, model_dir)

@@ -482,3 +482,59 @@ def test_a_consumer_that_falls_behind_gets_the_backlog_merged_in_order(model_dir
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_stream_interval_sends_the_first_token_alone_then_groups_of_at_least_n(model_dir):
+    prompts = random_prompts(4, seed=9)
+    params = SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True)
+    expected = [s.output_token_ids for s in _engine(model_dir).generate(prompts, params)]
+
+    async def main():
+        engine = AsyncEngine(_engine(model_dir), stream_interval=5)
+        try:
+            streams = await asyncio.wait_for(
+                asyncio.gather(
+                    *(_collect(engine, f"r{i}", p, params) for i, p in enumerate(prompts))
+                ),
+                TIMEOUT,
+            )
+            await _until(lambda: _all_blocks_free(engine), "all blocks free")
+            return streams
+        finally:
+            await engine.shutdown()
+
+    for outs, tokens in zip(asyncio.run(main()), expected, strict=True):
+        assert [t for o in outs for t in o.new_token_ids] == tokens
+        assert len(outs[0].new_token_ids) == 1  # time to first token is not traded away
+        assert all(len(o.new_token_ids) >= 5 for o in outs[1:-1])
+        assert len(outs[-1].new_token_ids) >= 1 and outs[-1].finished
+        assert [o.finished for o in outs[:-1]] == [False] * (len(outs) - 1)
+        assert len(outs) <= 1 + -(-22 // 5)  # first token, then ceil(22 / 5) messages
+
+
+def test_stream_interval_a_consumer_cancelled_while_tokens_gather_frees_the_blocks(model_dir):
+    prompt = random_prompts(1, seed=10)[0]
+
+    async def main():
+        engine = AsyncEngine(_engine(model_dir), stream_interval=64)
+        try:
+            stream = engine.generate("gathering", prompt, LONG)
+            await anext(stream)
+            # The next output waits for 64 tokens; cancel the consumer while it gathers.
+            waiting = asyncio.create_task(anext(stream))
+            await _until(lambda: engine.stats().num_generated_tokens > 3, "tokens gathering")
+            assert not waiting.done()
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await _until(lambda: _all_blocks_free(engine), "the cancelled request's blocks")
+            assert engine.stats().num_generated_tokens < LONG.max_tokens
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_stream_interval_below_one_is_refused(model_dir):
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        AsyncEngine(_engine(model_dir), stream_interval=0)

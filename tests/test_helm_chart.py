@@ -51,6 +51,7 @@ CPU_ONLY = {
     "router": {"replicas": 2},
     "blockSize": 32,
     "enablePrefixCaching": False,
+    "streamInterval": 4,
 }
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 MULTI_GPU_TP = {
@@ -387,6 +388,7 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "block_size": v["blockSize"],
             "enable_prefix_caching": v["enablePrefixCaching"],
             "handoff_timeout_s": v["handoffTimeoutS"],
+            "stream_interval": v["streamInterval"],
             "registry_name": v["registryName"],
             "router": {
                 "num_replicas": v["router"]["replicas"],

@@ -56,7 +56,9 @@ def service(ray_cluster, smollm2_dir, serve_ports):
         prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
         decode=PoolConfig(kv_cache_bytes=KV),
     )
-    agg = AppConfig(mode="aggregated", aggregated=PoolConfig(kv_cache_bytes=KV))
+    # Streams every 3 tokens after the first, so the comparisons below also cover merged
+    # messages through the router's text and stop strings.
+    agg = AppConfig(mode="aggregated", stream_interval=3, aggregated=PoolConfig(kv_cache_bytes=KV))
     service_ops.deploy(disagg, app_name="disagg", route_prefix="/disagg", **serve_ports)
     service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **serve_ports)
     yield {
@@ -145,6 +147,10 @@ def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
         assert "".join(m.text for m in streamed) == seq.detokenizer.text
         assert streamed[-1].finish_reason == pb.FINISH_REASON_STOP
         assert streamed[-1].usage.completion_tokens == len(seq.output_token_ids)
+
+    sizes = [len(m.token_ids) for m in agg.generate(_greedy(PROMPTS[1]))]
+    assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]), sizes
+    assert len(sizes) < len(expected[1].output_token_ids)
 
 
 def test_the_object_store_fallback_gives_the_same_output(service, disagg, smollm2_dir, serve_ports):

@@ -165,6 +165,7 @@ to equality, so a change to one must be made in the other.
     "block_size" $v.blockSize
     "enable_prefix_caching" $v.enablePrefixCaching
     "handoff_timeout_s" $v.handoffTimeoutS
+    "stream_interval" $v.streamInterval
     "registry_name" $v.registryName
     "router" (dict
       "num_replicas" $v.router.replicas
