@@ -2,7 +2,8 @@
 
 Commands (`Add`, `Call`, `Abort`) are queued under the AsyncEngine's lock and run on the
 engine thread between steps; outputs and replies go back to each caller's own event
-loop with `call_soon`, which never blocks the engine thread.
+loop with `call_soon`, which never blocks the engine thread. On the caller's side,
+`next_output` turns what a stream's queue holds into the next message it yields.
 """
 
 from __future__ import annotations
@@ -14,6 +15,22 @@ from typing import Any
 
 from workers.engine.engine import LLMEngine, RequestOutput
 from workers.engine.sequence import FinishReason
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting for a slot; retry later (gRPC RESOURCE_EXHAUSTED, HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed or was shut down; this replica can serve nothing more."""
+
+
+def dead_error(error: EngineDeadError) -> EngineDeadError:
+    # One exception object per consumer: raising a shared one from several tasks would
+    # interleave their tracebacks on it.
+    copy = EngineDeadError(*error.args)
+    copy.__cause__ = error.__cause__
+    return copy
 
 
 @dataclass(eq=False)  # identity semantics: a stream is compared with `is`, never by value
@@ -64,6 +81,42 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         new_text="".join(o.new_text for o in outputs),
         new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
     )
+
+
+async def next_output(
+    stream: Stream, item: RequestOutput, min_tokens: int
+) -> tuple[RequestOutput, BaseException | None]:
+    """`item` merged with the outputs that followed it: all those already queued, then,
+    while the merge holds fewer than `min_tokens` tokens, more as they arrive, stopping
+    at the request's last output. An exception met on the way comes back second, to be
+    raised after the merged output is delivered.
+
+    A consumer that fell behind thus gets what piled up as one output: fewer, larger
+    messages down the serving path exactly when it is busiest.
+    """
+    batch = [item]
+    num_tokens = len(item.new_token_ids)
+    error: BaseException | None = None
+    while not batch[-1].finished:
+        if not stream.queue.empty():
+            nxt = stream.queue.get_nowait()
+        elif num_tokens < min_tokens:
+            nxt = await stream.queue.get()
+        else:
+            break
+        if isinstance(nxt, BaseException):
+            error = nxt
+            break
+        batch.append(nxt)
+        num_tokens += len(nxt.new_token_ids)
+    return (batch[0] if len(batch) == 1 else merge_outputs(batch)), error
+
+
+def release_pulled(engine: LLMEngine, pulling: asyncio.Future) -> None:
+    """Done-callback of a KV pull whose request was cancelled meanwhile: frees what it
+    staged."""
+    if not pulling.cancelled() and pulling.exception() is None:
+        engine.release_prefetched_kv(pulling.result())
 
 
 def abort_output(stream: Stream) -> RequestOutput:

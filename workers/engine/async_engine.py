@@ -29,12 +29,16 @@ from workers.engine.async_commands import (
     Abort,
     Add,
     Call,
+    EngineDeadError,
+    EngineOverloadedError,
     Stream,
     abort_output,
     call_soon,
+    dead_error,
     deliver,
     fail,
-    merge_outputs,
+    next_output,
+    release_pulled,
     resolve,
 )
 from workers.engine.config import EngineConfig
@@ -51,14 +55,6 @@ DEFAULT_MAX_PENDING_REQUESTS = 1024
 _TIMER_POLL_S = 0.5
 
 T = TypeVar("T")
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are waiting for a slot; retry later (gRPC RESOURCE_EXHAUSTED, HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed or was shut down; this replica can serve nothing more."""
 
 
 class AsyncEngine:
@@ -162,7 +158,7 @@ class AsyncEngine:
                 kv_parts = await asyncio.shield(pulling)
             except asyncio.CancelledError:
                 # The pull goes on in its thread: free what it stages once it is done.
-                pulling.add_done_callback(self._release_pulled)
+                pulling.add_done_callback(lambda f: release_pulled(self.engine, f))
                 raise
 
         def submit(engine: LLMEngine) -> None:
@@ -179,10 +175,6 @@ class AsyncEngine:
             raise
         finally:
             await stream.aclose()  # now, not at garbage collection: it aborts the request
-
-    def _release_pulled(self, pulling: asyncio.Future) -> None:
-        if not pulling.cancelled() and pulling.exception() is None:
-            self.engine.release_prefetched_kv(pulling.result())
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs `fn(engine)` on the engine thread between steps and returns its result (or
@@ -215,24 +207,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True  # refused or failed: nothing left in the engine
                     raise item
-                # A consumer that fell behind gets what piled up as one output: fewer,
-                # larger messages down the serving path exactly when it is busiest. Past
-                # the first output, it also waits for `stream_interval` tokens.
-                batch = [item]
-                num_tokens = len(item.new_token_ids)
-                while not batch[-1].finished:
-                    if not stream.queue.empty():
-                        nxt = stream.queue.get_nowait()
-                    elif not first and num_tokens < self.stream_interval:
-                        nxt = await stream.queue.get()
-                    else:
-                        break
-                    if isinstance(nxt, BaseException):
-                        pending = nxt
-                        break
-                    batch.append(nxt)
-                    num_tokens += len(nxt.new_token_ids)
-                out = batch[0] if len(batch) == 1 else merge_outputs(batch)
+                # Past the first output, a stream also waits for `stream_interval` tokens.
+                out, pending = await next_output(stream, item, 0 if first else self.stream_interval)
                 finished, first = out.finished, False
                 yield out
                 if finished:
@@ -431,21 +407,13 @@ class AsyncEngine:
         streams = {id(s): s for s in self._streams.values()}
         streams.update({id(c.stream): c.stream for c in queued if isinstance(c, Add)})
         for stream in streams.values():
-            batches.setdefault(stream.loop, []).append((stream, _dead_error(error)))
+            batches.setdefault(stream.loop, []).append((stream, dead_error(error)))
         self._streams.clear()
         for command in queued:
             if isinstance(command, Abort) and command.reply is not None and command.reply_loop:
                 call_soon(command.reply_loop, resolve, command.reply, False)
             elif isinstance(command, Call):
-                call_soon(command.reply_loop, fail, command.reply, _dead_error(error))
+                call_soon(command.reply_loop, fail, command.reply, dead_error(error))
         # Only delivers: _send's fallback would call into the broken engine.
         for loop, items in batches.items():
             call_soon(loop, deliver, items)
-
-
-def _dead_error(error: EngineDeadError) -> EngineDeadError:
-    # One exception object per consumer: raising a shared one from several tasks would
-    # interleave their tracebacks on it.
-    copy = EngineDeadError(*error.args)
-    copy.__cause__ = error.__cause__
-    return copy
