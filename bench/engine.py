@@ -4,9 +4,11 @@ Prints JSON lines: single-stream decode tokens/s (32-token prompt, 128 new
 tokens), aggregate tokens/s at 8 and 32 concurrent requests (128 new tokens
 each), TTFT of a 512-token prompt, and ratio.*.engine_over_hf for each.
 Measurements alternate engine / transformers round by round and report the
-median, since absolute speed drifts on a shared 2-core machine.
+median, since absolute speed drifts on a shared 2-core machine. Both run in
+--dtype (float32 by default; bfloat16 is the fast path on CPUs with AMX or
+AVX512-BF16), which every line carries as its "dtype" key.
 
-    .venv/bin/python bench/engine.py [--rounds 2] [--threads 2]
+    .venv/bin/python bench/engine.py [--rounds 2] [--threads 2] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=min(2, cpu_count()))
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -81,11 +84,16 @@ def main() -> None:
     # Prefix caching off: rounds repeat the same prompts, and a cache hit would
     # measure the cache (bench/prefix_cache.py does), not the engine against HF.
     engine = LLMEngine(
-        EngineConfig(model=str(model_dir), num_threads=args.threads, enable_prefix_caching=False)
+        EngineConfig(
+            model=str(model_dir),
+            num_threads=args.threads,
+            enable_prefix_caching=False,
+            dtype=args.dtype,
+        )
     )
     log("loading transformers' reference from the GGUF file")
     hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
     ).eval()
     tok = engine.tokenizer
     single = [topic_prompt(tok, TOPICS[0], 32)]
@@ -113,6 +121,7 @@ def main() -> None:
     context = {
         "model": model_dir.name,
         "threads": args.threads,
+        "dtype": args.dtype,
         "rounds": args.rounds,
         "new_tokens": NEW_TOKENS,
         "git_commit": git_commit(),

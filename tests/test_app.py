@@ -63,6 +63,15 @@ def test_the_config_offers_exactly_the_engines_transports(model_dir):
         assert engine.kv_transport == transport
 
 
+def test_each_pool_chooses_its_dtype(model_dir):
+    config = AppConfig.model_validate({"model": str(model_dir), "prefill": {"dtype": "bfloat16"}})
+    prefill = config.engine_config(config.prefill, str(model_dir), "m")
+    decode = config.engine_config(config.decode, str(model_dir), "m")
+    assert (prefill.dtype, decode.dtype) == ("bfloat16", "auto")
+    with pytest.raises(ValueError, match="dtype"):
+        AppConfig.model_validate({"decode": {"dtype": "fp8"}})
+
+
 def test_the_graph_has_a_router_and_one_deployment_per_pool(model_dir):
     for mode, pools in [("aggregated", ["aggregated"]), ("disaggregated", ["prefill", "decode"])]:
         app = build_app({"model": str(model_dir), "mode": mode})

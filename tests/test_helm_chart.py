@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.config import TRANSPORTS, AppConfig, Mode
+from serve_app.config import TRANSPORTS, AppConfig, DType, Mode
 from serve_app.serve_config import serve_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +36,12 @@ RELEASE = "demo"
 CPU_ONLY = {
     "prefill": {
         "replicas": 2,
-        "replica": {"numCpus": 1, "numThreads": 2, "kvCacheBytes": 256 * 2**20},
+        "replica": {
+            "numCpus": 1,
+            "numThreads": 2,
+            "kvCacheBytes": 256 * 2**20,
+            "dtype": "bfloat16",
+        },
         "resources": {
             "requests": {"cpu": "3", "memory": "6Gi"},
             "limits": {"cpu": "3", "memory": "6Gi"},
@@ -145,6 +150,8 @@ def test_schema_enums_are_the_config_literals(chart):
     props = chart.schema["properties"]
     assert tuple(props["transport"]["enum"]) == TRANSPORTS
     assert tuple(props["mode"]["enum"]) == typing.get_args(Mode)
+    pool = chart.schema["definitions"]["pool"]["properties"]["replica"]["properties"]
+    assert tuple(pool["dtype"]["enum"]) == typing.get_args(DType)
 
 
 @value_sets
@@ -162,6 +169,7 @@ def test_lint_strict_is_clean(values):
         ({"decode": {"replicas": -3}}, ["/decode/replicas", "minimum"]),
         ({"transport": "carrier-pigeon"}, ["/transport", "object_store"]),
         ({"mode": "both"}, ["/mode", "disaggregated"]),
+        ({"decode": {"replica": {"dtype": "fp8"}}}, ["/decode/replica/dtype", "bfloat16"]),
         ({"prefill": {"tensorParallelSize": 0}}, ["/prefill/tensorParallelSize"]),
         ({"prefill": {"replicaz": 2}}, ["/prefill", "replicaz"]),
         (
@@ -366,6 +374,7 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "max_num_seqs": r["maxNumSeqs"],
             "max_num_batched_tokens": r["maxNumBatchedTokens"],
             "num_threads": r["numThreads"],
+            "dtype": r["dtype"],
             "max_ongoing_requests": r["maxOngoingRequests"],
         }
         a = p["autoscaling"]

@@ -141,6 +141,7 @@ the replica takes replica.numGpus. Ray counts a pod's CPUs and GPUs from its lim
     "max_num_seqs" $r.maxNumSeqs
     "max_num_batched_tokens" $r.maxNumBatchedTokens
     "num_threads" $r.numThreads
+    "dtype" $r.dtype
     "max_ongoing_requests" $r.maxOngoingRequests }}
 {{- if $pool.autoscaling.enabled }}
 {{- $_ := set $args "autoscaling" (dict

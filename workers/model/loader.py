@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -11,7 +12,9 @@ from safetensors import safe_open
 
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaForCausalLM
-from workers.model.parallel import TPGroup, copy_weight
+from workers.model.parallel import TPGroup, copy_weight, native_bf16_matmul
+
+logger = logging.getLogger(__name__)
 
 # Packed layer -> the checkpoint parts it is built from.
 _PACKED_SHARDS: dict[str, set[str]] = {}
@@ -64,6 +67,11 @@ def load_model(
 ) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not native_bf16_matmul():
+        logger.warning(
+            "bfloat16 on a CPU without AMX or AVX512-BF16 runs far slower than float32; "
+            "set dtype to float32 (or auto) on this machine"
+        )
     with torch.device(device):
         model = LlamaForCausalLM(cfg, tp, max_positions, dtype)
     load_weights(model, model_dir)
