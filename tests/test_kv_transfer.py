@@ -100,8 +100,8 @@ def _assert_all_free(*engines: LLMEngine) -> None:
 # -- tensors -------------------------------------------------------------------------
 
 
-def _filled_runner(model_dir, seed: int) -> ModelRunner:
-    runner = ModelRunner(model_dir, num_blocks=12, block_size=4, max_model_len=48)
+def _filled_runner(model_dir, seed: int, dtype=torch.float32) -> ModelRunner:
+    runner = ModelRunner(model_dir, num_blocks=12, block_size=4, max_model_len=48, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     for k, v in runner.kv_caches:
         k.copy_(torch.randn(k.shape, generator=g))
@@ -128,6 +128,29 @@ def test_export_then_import_copies_exactly_those_blocks(model_dir):
             assert torch.equal(_block(dv, untouched), _block(bv, untouched))
     # And back again: the round trip gives the same tensor.
     assert torch.equal(export_blocks(dst, [0, 5, 11], start_block=3).data, kv.data)
+
+
+def test_import_converts_the_exporters_dtype(model_dir):
+    # Pools may run different dtypes (a bf16 prefill pool, an fp32 decode pool).
+    src = _filled_runner(model_dir, 0, dtype=torch.bfloat16)
+    dst = _filled_runner(model_dir, 1, dtype=torch.float32)
+    import_blocks(dst, [4, 1], export_blocks(src, [2, 8]))
+    for (sk, sv), (dk, dv) in zip(src.kv_caches, dst.kv_caches, strict=True):
+        for s_block, d_block in [(2, 4), (8, 1)]:
+            assert dk.dtype == torch.float32
+            assert torch.equal(_block(dk, d_block), _block(sk, s_block).float())
+            assert torch.equal(_block(dv, d_block), _block(sv, s_block).float())
+
+
+def test_engines_of_different_dtypes_hand_off(model_dir):
+    for prefill_dtype, decode_dtype in [("bfloat16", "float32"), ("float32", "bfloat16")]:
+        prefill = _engine(model_dir, dtype=prefill_dtype)
+        decode = _engine(model_dir, dtype=decode_dtype)
+        got = _handoff(prefill, decode, "mixed", _tokens(2 * BLOCK + 5, seed=30))
+        assert len(_tokens_of(got)) == GREEDY.max_tokens
+        assert got[-1].finish_reason is FinishReason.LENGTH
+        assert decode.stats().kv_blocks_imported == 3
+        _assert_all_free(prefill, decode)
 
 
 def test_import_refuses_data_of_another_shape_or_rank(model_dir):
