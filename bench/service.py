@@ -14,7 +14,10 @@ The services run twice: streaming every token (stream_interval 1, the default: "
 serving path (two Ray Serve streaming hops per message).
 
     .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 2] [--decode-threads 2]
-        [--stream-interval 4]
+        [--stream-interval 4] [--dtype float32]
+
+Every engine, in process or in a pool, runs in --dtype (bfloat16: the fast path on CPUs
+with AMX or AVX512-BF16); each line carries it as its "dtype" key.
 
 Threads: the in-process engine and the aggregated replica use both cores (each is the
 only engine computing); the decode replica too, since prefill is a short burst per
@@ -152,7 +155,7 @@ async def main_async(args: argparse.Namespace) -> None:
     ports = {"http_port": http_port, "grpc_port": grpc_port, "http_host": "127.0.0.1"}
     # Prefix caching off everywhere: rounds repeat prompts, and hits would measure the
     # cache rather than the serving path.
-    agg_pool = PoolConfig(num_threads=args.agg_threads)
+    agg_pool = PoolConfig(num_threads=args.agg_threads, dtype=args.dtype)
     si = args.stream_interval
     apps = {}
     for suffix, interval in (("", 1), (f"_si{si}", si)):
@@ -168,15 +171,20 @@ async def main_async(args: argparse.Namespace) -> None:
                 transport=transport,
                 enable_prefix_caching=False,
                 stream_interval=interval,
-                prefill=PoolConfig(num_threads=args.prefill_threads),
-                decode=PoolConfig(num_threads=args.decode_threads),
+                prefill=PoolConfig(num_threads=args.prefill_threads, dtype=args.dtype),
+                decode=PoolConfig(num_threads=args.decode_threads, dtype=args.dtype),
             )
     for name, config in apps.items():
         log(f"deploying {name}")
         service_ops.deploy(config, app_name=name, route_prefix=f"/{name}", **ports)
 
     engine = AsyncEngine.from_config(
-        EngineConfig(model=str(model_dir), num_threads=threads, enable_prefix_caching=False)
+        EngineConfig(
+            model=str(model_dir),
+            num_threads=threads,
+            enable_prefix_caching=False,
+            dtype=args.dtype,
+        )
     )
     tok = engine.engine.tokenizer
     batches = {c: [topic_prompt(tok, TOPICS[i], PROMPT_TOKENS) for i in range(c)] for c in (8, 32)}
@@ -209,6 +217,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "prefill_threads": args.prefill_threads,
         "decode_threads": args.decode_threads,
         "si_stream_interval": si,
+        "dtype": args.dtype,
         "git_commit": git_commit(),
     }
     medians: dict[tuple[str, int], dict[str, float]] = {}
@@ -246,6 +255,7 @@ def main() -> None:
         default=4,
         help="the stream_interval of the *_si<N> services (default 4)",
     )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     asyncio.run(main_async(parser.parse_args()))
 
