@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow  # starts Ray worker processes
 BLOCK = 16
 
 
-def _spec(model_dir) -> RunnerSpec:
-    return RunnerSpec(str(model_dir), 32, BLOCK, 512, torch.float32, "cpu")
+def _spec(model_dir, dtype=torch.float32) -> RunnerSpec:
+    return RunnerSpec(str(model_dir), 32, BLOCK, 512, dtype, "cpu")
 
 
 def _steps() -> list[StepInput]:
@@ -50,6 +50,19 @@ def test_tp_logits_match_tp1(ray_cluster, tmp_path, tp, heads, kv_heads):
     try:
         for expected, got in zip(_logits(single), _logits(group), strict=True):
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    finally:
+        group.shutdown()
+
+
+def test_tp_runs_in_bfloat16(ray_cluster, tmp_path):
+    # gloo all-reduces bf16 partial sums: equal to one rank's logits up to bf16 rounding.
+    model_dir = make_tiny_model(tmp_path, num_heads=4, num_kv_heads=2, hidden_size=64)
+    spec = _spec(model_dir, torch.bfloat16)
+    single = ModelRunner(spec.model_dir, spec.num_blocks, BLOCK, spec.max_model_len, spec.dtype)
+    group = TPWorkerGroup(2, spec)
+    try:
+        for expected, got in zip(_logits(single), _logits(group), strict=True):
+            torch.testing.assert_close(got, expected, atol=5e-2, rtol=2e-2)
     finally:
         group.shutdown()
 
