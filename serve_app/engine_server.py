@@ -88,6 +88,10 @@ class EngineServer:
         )
         self.prefill_pool = prefill_pool
         self.handoff = HandoffStats()
+        self.engine_setup = {
+            "dtype": str(engine_config.resolved_dtype()).removeprefix("torch."),
+            "tensor_parallel_size": engine_config.tensor_parallel_size,
+        }
         logger.info("%s replica %s ready (%s)", role, self.replica_id, model_dir)
 
     def _publish(self, stored: list[BlockHash], evicted: list[BlockHash]) -> None:
@@ -258,6 +262,7 @@ class EngineServer:
             "app": self.app_name,
             "role": self.role,
             "replica_id": self.replica_id,
+            **self.engine_setup,
             "engine": asdict(self.engine.stats()),
             "handoff": asdict(self.handoff),
             "gpus": self.gpus.to_dict(),

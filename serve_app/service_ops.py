@@ -169,11 +169,16 @@ def scale(pool: str, num_replicas: int, app_name: str = APP_NAME) -> AppConfig:
 
 
 def status(app_name: str = APP_NAME, board_name: str = DEFAULT_BOARD_NAME) -> dict[str, Any]:
-    """The application's deployments (Serve's view) and its replicas' last posted stats."""
+    """The application's deployments (Serve's view) and its replicas' last posted stats (the
+    board is shared by every application on the cluster)."""
     app = serve.status().applications.get(app_name)
     if app is None:
         raise ValueError(f"no application {app_name!r} is deployed; run `baton serve`")
-    snapshots = ray.get(get_or_create_board(board_name).snapshots.remote())
+    snapshots = [
+        s
+        for s in ray.get(get_or_create_board(board_name).snapshots.remote())
+        if s["app"] == app_name
+    ]
     return {
         "application": app_name,
         "status": str(app.status.value if hasattr(app.status, "value") else app.status),

@@ -441,6 +441,22 @@ def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
     assert any('pool="decode"' in labels for labels, _ in samples["ray_baton_running_requests"])
 
 
+def test_status_shows_each_replicas_role_dtype_and_tp(service):
+    from serve_app.cli import _status_lines
+
+    report = service_ops.status("disagg")
+    text = "\n".join(_status_lines(report))
+    assert "application disagg: RUNNING" in text
+    assert re.search(r"^  prefill +\S+ +float32 tp3 ", text, re.MULTILINE), text
+    assert re.search(r"^  decode +\S+ +float32 tp1 ", text, re.MULTILINE), text
+    assert "aggregated" not in text  # the other application's replica
+
+
 def test_every_pool_gets_all_its_blocks_back(service):
     snaps = _wait_all_blocks_free()
     assert {s["role"] for s in snaps} == {"prefill", "decode", "aggregated"}
+    assert {s["dtype"] for s in snaps} == {"float32"}  # auto, on CPU
+    assert {(s["role"], s["tensor_parallel_size"]) for s in snaps if s["app"] == "disagg"} == {
+        ("prefill", 3),
+        ("decode", 1),
+    }
