@@ -89,7 +89,7 @@ class EngineServer:
         self.prefill_pool = prefill_pool
         self.handoff = HandoffStats()
         self.engine_setup = {
-            "dtype": str(engine_config.resolved_dtype()).removeprefix("torch."),
+            "dtype": engine_config.resolved_dtype_name(),
             "tensor_parallel_size": engine_config.tensor_parallel_size,
         }
         logger.info("%s replica %s ready (%s)", role, self.replica_id, model_dir)

@@ -114,6 +114,10 @@ class Router:
             model_dir, self.model_id, config.block_size, config.max_model_len
         )
         self.served_model_name = config.served_model_name or model_dir.name
+        self.dtypes = {
+            role: config.engine_config(pool, str(model_dir), self.model_id).resolved_dtype_name()
+            for role, pool in config.pools().items()
+        }
         self.registry = get_or_create_registry(PrefixRegistryConfig(name=config.registry_name))
         self.pool = pool.options(stream=True)
         self.metrics = RouterMetrics(serve.get_replica_context().app_name)
@@ -248,6 +252,8 @@ class Router:
             ).tensor_parallel_size,
             num_prefill_replicas=counts.get("PrefillServer", counts.get("EngineServer", 0)),
             num_decode_replicas=counts.get("DecodeServer", counts.get("EngineServer", 0)),
+            prefill_dtype=self.dtypes.get("prefill", self.dtypes.get("aggregated")),
+            decode_dtype=self.dtypes.get("decode", self.dtypes.get("aggregated")),
         )
 
     # -- gRPC: grpc.health.v1.Health ----------------------------------------------------

@@ -68,6 +68,10 @@ def test_each_pool_chooses_its_dtype(model_dir):
     prefill = config.engine_config(config.prefill, str(model_dir), "m")
     decode = config.engine_config(config.decode, str(model_dir), "m")
     assert (prefill.dtype, decode.dtype) == ("bfloat16", "auto")
+    # auto is float32 on a CPU pool (num_gpus 0), bfloat16 on a GPU one.
+    assert (prefill.resolved_dtype_name(), decode.resolved_dtype_name()) == ("bfloat16", "float32")
+    gpu_pool = config.decode.model_copy(update={"num_gpus": 1})
+    assert config.engine_config(gpu_pool, str(model_dir), "m").resolved_dtype_name() == "bfloat16"
     with pytest.raises(ValueError, match="dtype"):
         AppConfig.model_validate({"decode": {"dtype": "fp8"}})
 

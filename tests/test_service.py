@@ -198,6 +198,8 @@ def test_chat_and_token_id_prompts_and_tokenize(disagg, agg):
     info = disagg.model_info()
     assert info.mode == "disaggregated" and info.prefill_tensor_parallel_size == 3
     assert info.vocab_size == 49152 and info.num_decode_replicas >= 1
+    assert info.prefill_dtype == info.decode_dtype == "float32"  # auto, on CPU
+    assert agg.model_info().decode_dtype == "float32"
 
 
 def test_health_check_and_server_reflection(service):

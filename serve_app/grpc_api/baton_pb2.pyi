@@ -139,7 +139,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "max_model_len", "vocab_size", "block_size", "eos_token_ids", "has_chat_template", "max_logprobs", "mode", "prefill_tensor_parallel_size", "decode_tensor_parallel_size", "num_prefill_replicas", "num_decode_replicas")
+    __slots__ = ("model_id", "max_model_len", "vocab_size", "block_size", "eos_token_ids", "has_chat_template", "max_logprobs", "mode", "prefill_tensor_parallel_size", "decode_tensor_parallel_size", "num_prefill_replicas", "num_decode_replicas", "prefill_dtype", "decode_dtype")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,8 @@ class ModelInfo(_message.Message):
     DECODE_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     max_model_len: int
     vocab_size: int
@@ -164,4 +166,6 @@ class ModelInfo(_message.Message):
     decode_tensor_parallel_size: int
     num_prefill_replicas: int
     num_decode_replicas: int
-    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_logprobs: _Optional[int] = ..., mode: _Optional[str] = ..., prefill_tensor_parallel_size: _Optional[int] = ..., decode_tensor_parallel_size: _Optional[int] = ..., num_prefill_replicas: _Optional[int] = ..., num_decode_replicas: _Optional[int] = ...) -> None: ...
+    prefill_dtype: str
+    decode_dtype: str
+    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_logprobs: _Optional[int] = ..., mode: _Optional[str] = ..., prefill_tensor_parallel_size: _Optional[int] = ..., decode_tensor_parallel_size: _Optional[int] = ..., num_prefill_replicas: _Optional[int] = ..., num_decode_replicas: _Optional[int] = ..., prefill_dtype: _Optional[str] = ..., decode_dtype: _Optional[str] = ...) -> None: ...

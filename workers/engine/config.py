@@ -90,3 +90,7 @@ class EngineConfig:
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         return torch.float32 if self.resolved_device() == "cpu" else torch.bfloat16
+
+    def resolved_dtype_name(self) -> str:
+        """ "float32", "bfloat16" or "float16"."""
+        return str(self.resolved_dtype()).removeprefix("torch.")
