@@ -18,6 +18,10 @@ import uuid
 
 log = logging.getLogger("baton")
 
+# serve_app.config.DType's values (tests/test_cli.py holds them equal), spelled out so that
+# building the parser imports neither pydantic nor torch.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default 256)")
@@ -43,6 +47,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with --local: a local Hugging Face Llama-family folder (default: bundled "
         "SmolLM2-135M-Instruct)",
     )
+    gen.add_argument(
+        "--dtype", choices=DTYPES, default=None, help="with --local: the engine's (default auto)"
+    )
     _add_sampling_args(gen)
 
     serve = sub.add_parser("serve", help="deploy the service (joins RAY_ADDRESS or starts Ray)")
@@ -59,10 +66,10 @@ def _build_parser() -> argparse.ArgumentParser:
         serve.add_argument(f"--{pool}-tp", type=int, default=None, help="tensor parallel size")
     serve.add_argument(
         "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=DTYPES,
         default=None,
         help="every pool's weights and KV cache (default auto: float32 on CPU, bfloat16 on "
-        "GPU); bfloat16 about doubles batched CPU throughput where the CPU has AMX",
+        "GPU); bfloat16 about doubles batched throughput on CPUs with AMX or AVX512-BF16",
     )
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=9000)
@@ -107,8 +114,10 @@ def _write(text: str) -> None:
 def _generate(args: argparse.Namespace) -> int:
     messages = _messages(args)
     if not args.local:
-        if args.model is not None:
-            raise ValueError("--model needs --local: the service serves the model it was given")
+        if args.model is not None or args.dtype is not None:
+            raise ValueError(
+                "--model and --dtype need --local: the service runs what it was deployed with"
+            )
         return _generate_remote(args, messages)
     # Heavy imports wait until a command needs them, so `baton --help` is instant.
     from workers.engine.config import EngineConfig
@@ -119,7 +128,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(**_sampling(args))
     model = args.model or str(ensure_default_model())
     log.info("loading %s", model)
-    engine = LLMEngine(EngineConfig(model=model))
+    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype or "auto"))
     if messages is not None:
         prompt_ids = engine.tokenizer.encode_chat(messages)
     else:
@@ -188,13 +197,14 @@ def _serve_config(args: argparse.Namespace):
     if args.mode:
         fields["mode"] = args.mode
     for pool in ("prefill", "decode", "aggregated"):
-        replicas, tp = getattr(args, f"{pool}_replicas"), getattr(args, f"{pool}_tp")
-        if replicas is not None:
-            fields.setdefault(pool, {})["num_replicas"] = replicas
-        if tp is not None:
-            fields.setdefault(pool, {})["tensor_parallel_size"] = tp
-        if args.dtype is not None:
-            fields.setdefault(pool, {})["dtype"] = args.dtype
+        flags = {
+            "num_replicas": getattr(args, f"{pool}_replicas"),
+            "tensor_parallel_size": getattr(args, f"{pool}_tp"),
+            "dtype": args.dtype,
+        }
+        overrides = {k: v for k, v in flags.items() if v is not None}
+        if overrides:  # a pool key left empty in the file (`decode:`) loads as None
+            fields[pool] = {**(fields.get(pool) or {}), **overrides}
     return AppConfig.model_validate(fields)
 
 
@@ -243,7 +253,9 @@ def _status_lines(report: dict) -> list[str]:
         e = r["engine"]
         used = e["num_total_blocks"] - e["num_free_blocks"]
         lines.append(
-            f"  {r['role']:<10} {r['replica_id']:<10} {r['dtype']} tp{r['tensor_parallel_size']}  "
+            # .get: a replica of an older release, mid rolling upgrade, posts neither.
+            f"  {r['role']:<10} {r['replica_id']:<10} {r.get('dtype', '?')} "
+            f"tp{r.get('tensor_parallel_size', '?')}  "
             f"running {e['num_running']:>3} "
             f"waiting {e['num_waiting']:>3}  KV {used}/{e['num_total_blocks']} blocks  "
             f"prefix hit rate {e['prefix_cache_hit_rate']:.2f}  "

@@ -257,7 +257,8 @@ class EngineServer:
             raise RuntimeError(f"{self.role} replica {self.replica_id}: its engine has failed")
 
     def stats(self) -> dict:
-        """This replica's engine stats and handoff totals, for `baton status` and tests."""
+        """This replica's dtype, TP degree, engine stats and handoff totals, for `baton
+        status` and tests."""
         return {
             "app": self.app_name,
             "role": self.role,

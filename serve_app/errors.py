@@ -13,7 +13,7 @@ import logging
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from workers.engine.async_engine import EngineDeadError, EngineOverloadedError
+from workers.engine.errors import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 

@@ -114,9 +114,10 @@ class Router:
             model_dir, self.model_id, config.block_size, config.max_model_len
         )
         self.served_model_name = config.served_model_name or model_dir.name
+        # What "auto" means for each pool is the engine's rule, so ask the engine's config.
         self.dtypes = {
-            role: config.engine_config(pool, str(model_dir), self.model_id).resolved_dtype_name()
-            for role, pool in config.pools().items()
+            role: config.engine_config(p, str(model_dir), self.model_id).resolved_dtype_name()
+            for role, p in config.pools().items()
         }
         self.registry = get_or_create_registry(PrefixRegistryConfig(name=config.registry_name))
         self.pool = pool.options(stream=True)

@@ -14,9 +14,10 @@ from contextlib import aclosing
 import pytest
 from tiny_model import make_tiny_model, random_prompts
 
-from workers.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
+from workers.engine.errors import EngineDeadError, EngineOverloadedError
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import FinishReason
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 
 import pytest
 from tiny_model import make_tiny_model
@@ -91,7 +92,11 @@ def test_serve_flags_override_the_config_file(model_dir, tmp_path):
     from serve_app.cli import _build_parser, _serve_config
 
     path = tmp_path / "app.yaml"
-    path.write_text(f"model: {model_dir}\nprefill:\n  num_replicas: 3\n  num_threads: 2\n")
+    path.write_text(
+        f"model: {model_dir}\n"
+        "prefill:\n  num_replicas: 3\n  num_threads: 2\n  dtype: float32\n"
+        "decode:\n"  # an empty pool key loads as None
+    )
     args = _build_parser().parse_args(
         ["serve", "--config", str(path), "--decode-tp", "3", "--dtype", "bfloat16"]
     )
@@ -99,3 +104,21 @@ def test_serve_flags_override_the_config_file(model_dir, tmp_path):
     assert (config.prefill.num_replicas, config.prefill.num_threads) == (3, 2)
     assert config.decode.tensor_parallel_size == 3
     assert {config.prefill.dtype, config.decode.dtype, config.aggregated.dtype} == {"bfloat16"}
+
+
+def test_the_dtype_choices_are_the_configs():
+    from serve_app.cli import DTYPES
+    from serve_app.config import DType
+
+    assert typing.get_args(DType) == DTYPES
+
+
+def test_local_generation_in_bfloat16(model_dir, capsys):
+    args = ["generate", "--local", "--model", str(model_dir), "--dtype", "bfloat16"]
+    assert main([*args, "--max-tokens", "6", "--temperature", "0", "Hello"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+
+
+def test_model_and_dtype_need_local(capsys):
+    assert main(["generate", "--dtype", "bfloat16", "Hello"]) == 2
+    assert "--dtype need --local" in capsys.readouterr().err

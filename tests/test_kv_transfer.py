@@ -130,16 +130,19 @@ def test_export_then_import_copies_exactly_those_blocks(model_dir):
     assert torch.equal(export_blocks(dst, [0, 5, 11], start_block=3).data, kv.data)
 
 
-def test_import_converts_the_exporters_dtype(model_dir):
+@pytest.mark.parametrize(
+    ("src_dtype", "dst_dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+)
+def test_import_converts_the_exporters_dtype(model_dir, src_dtype, dst_dtype):
     # Pools may run different dtypes (a bf16 prefill pool, an fp32 decode pool).
-    src = _filled_runner(model_dir, 0, dtype=torch.bfloat16)
-    dst = _filled_runner(model_dir, 1, dtype=torch.float32)
+    src = _filled_runner(model_dir, 0, dtype=src_dtype)
+    dst = _filled_runner(model_dir, 1, dtype=dst_dtype)
     import_blocks(dst, [4, 1], export_blocks(src, [2, 8]))
     for (sk, sv), (dk, dv) in zip(src.kv_caches, dst.kv_caches, strict=True):
+        assert dk.dtype == dv.dtype == dst_dtype
         for s_block, d_block in [(2, 4), (8, 1)]:
-            assert dk.dtype == torch.float32
-            assert torch.equal(_block(dk, d_block), _block(sk, s_block).float())
-            assert torch.equal(_block(dv, d_block), _block(sv, s_block).float())
+            assert torch.equal(_block(dk, d_block), _block(sk, s_block).to(dst_dtype))
+            assert torch.equal(_block(dv, d_block), _block(sv, s_block).to(dst_dtype))
 
 
 def test_engines_of_different_dtypes_hand_off(model_dir):

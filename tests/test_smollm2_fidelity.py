@@ -128,7 +128,7 @@ def test_tp3_greedy_tokens_match_tp1(ray_cluster, smollm2_dir, engine, prompts):
         tp3.shutdown()
 
 
-def test_bfloat16_errs_no_more_than_transformers_own_bfloat16(
+def test_bfloat16_errs_about_as_much_as_transformers_own_bfloat16(
     smollm2_dir, smollm2_gguf, prompts, reference
 ):
     # bf16 is the CPU fast path where AMX or AVX512-BF16 exist (and the CUDA default).

@@ -2,35 +2,21 @@
 
 Commands (`Add`, `Call`, `Abort`) are queued under the AsyncEngine's lock and run on the
 engine thread between steps; outputs and replies go back to each caller's own event
-loop with `call_soon`, which never blocks the engine thread. On the caller's side,
-`next_output` turns what a stream's queue holds into the next message it yields.
+loop with `call_soon`, which never blocks the engine thread; `fail_all` tells everyone
+when that thread has failed. On the caller's side, `next_output` turns what a stream's
+queue holds into the next message it yields.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from workers.engine.engine import LLMEngine, RequestOutput
+from workers.engine.errors import EngineDeadError, dead_error
 from workers.engine.sequence import FinishReason
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are waiting for a slot; retry later (gRPC RESOURCE_EXHAUSTED, HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed or was shut down; this replica can serve nothing more."""
-
-
-def dead_error(error: EngineDeadError) -> EngineDeadError:
-    # One exception object per consumer: raising a shared one from several tasks would
-    # interleave their tracebacks on it.
-    copy = EngineDeadError(*error.args)
-    copy.__cause__ = error.__cause__
-    return copy
 
 
 @dataclass(eq=False)  # identity semantics: a stream is compared with `is`, never by value
@@ -153,3 +139,23 @@ def resolve(future: asyncio.Future, value: object) -> None:
 def fail(future: asyncio.Future, exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def fail_all(
+    streams: Iterable[Stream], queued: list[Add | Abort | Call], error: EngineDeadError
+) -> None:
+    """After the engine thread failed: every live stream and every queued command learns
+    it. Only delivers, never touches the broken engine."""
+    batches: dict[asyncio.AbstractEventLoop, list] = {}
+    # An add that already ran is both live and queued (its batch failed): fail it once.
+    unique = {id(s): s for s in streams}
+    unique.update({id(c.stream): c.stream for c in queued if isinstance(c, Add)})
+    for stream in unique.values():
+        batches.setdefault(stream.loop, []).append((stream, dead_error(error)))
+    for command in queued:
+        if isinstance(command, Abort) and command.reply is not None and command.reply_loop:
+            call_soon(command.reply_loop, resolve, command.reply, False)
+        elif isinstance(command, Call):
+            call_soon(command.reply_loop, fail, command.reply, dead_error(error))
+    for loop, items in batches.items():
+        call_soon(loop, deliver, items)

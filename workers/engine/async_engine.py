@@ -29,20 +29,19 @@ from workers.engine.async_commands import (
     Abort,
     Add,
     Call,
-    EngineDeadError,
-    EngineOverloadedError,
     Stream,
     abort_output,
     call_soon,
-    dead_error,
     deliver,
     fail,
+    fail_all,
     next_output,
     release_pulled,
     resolve,
 )
 from workers.engine.config import EngineConfig
 from workers.engine.engine import EngineStats, LLMEngine, RequestOutput
+from workers.engine.errors import EngineDeadError, EngineOverloadedError
 from workers.engine.kv_transfer import KVHandle
 from workers.engine.kv_transport import KVPart, KVRef
 from workers.engine.sampling_params import SamplingParams
@@ -67,11 +66,9 @@ class AsyncEngine:
     ):
         """Starts the engine thread. `max_pending_requests` bounds the requests accepted but
         not yet running (None: unbounded); beyond it generate() raises EngineOverloadedError.
-        `stream_interval`: after a request's first output, its stream yields once at least
-        that many new tokens are in hand (or it finished), as one merged output. 1 streams
-        every step; more trades smoothness for fewer messages, which is what a serving path
-        with a per-message cost (Ray Serve's streaming hops) spends its CPU on at high
-        concurrency (vLLM and SGLang have the same knob).
+        `stream_interval`: past its first output, a stream yields once it holds that many new
+        tokens (or the request ended), merged: fewer messages for a serving path that pays
+        per message (Ray Serve's hops), at the cost of smoothness.
         """
         if max_pending_requests is not None and max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
@@ -199,7 +196,7 @@ class AsyncEngine:
             self._cond.notify()
         finished = False
         first = True
-        pending: RequestOutput | BaseException | None = None
+        pending: BaseException | None = None
         try:
             while True:
                 item = pending if pending is not None else await stream.queue.get()
@@ -402,18 +399,5 @@ class AsyncEngine:
             self._error = error
             queued, self._commands = self._commands_running + self._commands, []
             self._commands_running = []
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        # An add that already ran is both live and in the failed batch: fail it once.
-        streams = {id(s): s for s in self._streams.values()}
-        streams.update({id(c.stream): c.stream for c in queued if isinstance(c, Add)})
-        for stream in streams.values():
-            batches.setdefault(stream.loop, []).append((stream, dead_error(error)))
-        self._streams.clear()
-        for command in queued:
-            if isinstance(command, Abort) and command.reply is not None and command.reply_loop:
-                call_soon(command.reply_loop, resolve, command.reply, False)
-            elif isinstance(command, Call):
-                call_soon(command.reply_loop, fail, command.reply, dead_error(error))
-        # Only delivers: _send's fallback would call into the broken engine.
-        for loop, items in batches.items():
-            call_soon(loop, deliver, items)
+        streams, self._streams = list(self._streams.values()), {}
+        fail_all(streams, queued, error)

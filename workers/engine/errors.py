@@ -1,0 +1,19 @@
+"""What an AsyncEngine raises to its callers when it cannot take or finish a request."""
+
+from __future__ import annotations
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting for a slot; retry later (gRPC RESOURCE_EXHAUSTED, HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed or was shut down; this replica can serve nothing more."""
+
+
+def dead_error(error: EngineDeadError) -> EngineDeadError:
+    # One exception object per consumer: raising a shared one from several tasks would
+    # interleave their tracebacks on it.
+    copy = EngineDeadError(*error.args)
+    copy.__cause__ = error.__cause__
+    return copy
