@@ -35,9 +35,9 @@ from serve_app.protocol import EngineRequest, PrefillResult
 from serve_app.status_board import get_or_create_board
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import BlockHash
-from workers.engine.engine import RequestOutput
 from workers.engine.kv_transfer import StalePrefixError
 from workers.engine.kv_transport import KVRef, KVTransferError
+from workers.engine.outputs import RequestOutput
 from workers.model.loader import model_identity
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import grpc
 from serve_app.errors import public_error
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.prompts import PromptInput
-from workers.engine.engine import RequestOutput
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 from workers.engine.sequence import FinishReason
 

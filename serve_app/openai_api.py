@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serve_app.prompts import PromptInput
-from workers.engine.engine import RequestOutput
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from workers.engine.block_hash import BlockHash
-from workers.engine.engine import RequestOutput
 from workers.engine.kv_transfer import KVHandle
 from workers.engine.kv_transport import KVPart
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
 # Serve's request router reads this attribute of a request's first argument.

@@ -39,7 +39,7 @@ from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_regist
 from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
 from serve_app.text_stream import TextStream
-from workers.engine.engine import RequestOutput
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.model.loader import model_identity
 

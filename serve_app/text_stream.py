@@ -16,7 +16,7 @@ from dataclasses import replace
 from tokenizers import Tokenizer
 
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.engine import RequestOutput
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams, stops_on_token
 from workers.engine.sequence import FinishReason
 

@@ -16,8 +16,8 @@ from serve_app.grpc_service import (
     response_from_outputs,
     status_for,
 )
-from workers.engine.engine import RequestOutput
 from workers.engine.errors import EngineDeadError, EngineOverloadedError
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason
 

@@ -16,7 +16,7 @@ from tiny_model import make_tiny_model
 
 from workers.engine.block_hash import BlockHash
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine, RequestOutput
+from workers.engine.engine import LLMEngine
 from workers.engine.kv_transfer import (
     KVBlocks,
     StalePrefixError,
@@ -24,6 +24,7 @@ from workers.engine.kv_transfer import (
     import_blocks,
 )
 from workers.engine.model_runner import ModelRunner
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 from workers.engine.sequence import FinishReason
 

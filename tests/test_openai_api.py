@@ -13,7 +13,7 @@ from serve_app.openai_api import (
     ResponseBuilder,
     parse,
 )
-from workers.engine.engine import RequestOutput
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason
 

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from workers.engine.engine import LLMEngine, RequestOutput
+from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineDeadError, dead_error
+from workers.engine.outputs import RequestOutput
 from workers.engine.sequence import FinishReason
 
 

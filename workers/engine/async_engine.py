@@ -40,10 +40,11 @@ from workers.engine.async_commands import (
     resolve,
 )
 from workers.engine.config import EngineConfig
-from workers.engine.engine import EngineStats, LLMEngine, RequestOutput
+from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineDeadError, EngineOverloadedError
 from workers.engine.kv_transfer import KVHandle
 from workers.engine.kv_transport import KVPart, KVRef
+from workers.engine.outputs import EngineStats, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

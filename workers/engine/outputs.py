@@ -1,0 +1,49 @@
+"""What an engine reports: each step's output per request, and its running stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.engine.kv_transfer import KVHandle
+from workers.engine.sampling_params import TokenLogprob
+from workers.engine.sequence import FinishReason
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Set when a prefill-only request stops for a KV handoff (finished, with no
+    # finish_reason: the request goes on at a decode engine); the K/V: `export_kv`.
+    handoff: KVHandle | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_steps: int
+    num_generated_tokens: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    prefix_cache_hit_rate: float
+    handoffs_held: int  # prefill-only requests whose blocks wait for a decode engine
+    handoffs_expired: int  # of those, released by handoff_timeout_s rather than by decode
+    imports_waiting: int  # prefilled requests waiting for blocks to import into
+    kv_blocks_exported: int
+    kv_blocks_imported: int
+    kv_blocks_reused_for_import: int  # taken from this engine's prefix cache instead
+    kv_export_s: float  # seconds copying blocks out for handoffs, in total
+    kv_import_s: float  # seconds writing handed-over blocks in, in total
