@@ -17,29 +17,10 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from workers.model.gguf_tokenizer import build_tokenizer, tokenizer_config
 
 __all__ = ["convert_gguf", "unpermute_qk"]
-
-# tokenizer.ggml.pre values, grouped by the pre-tokenizer regexes llama.cpp's llama-vocab.cpp
-# selects for them. "digits+gpt2": llama.cpp first isolates every \p{N} character (tokenizers'
-# Digits(individual_digits=True); Rust's is_numeric is the same \p{N} class), then applies the
-# GPT-2 regex (ByteLevel(use_regex=True)). This is also what SmolLM2's own tokenizer.json does.
-_PRE_KINDS = {
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"),
-        "digits+gpt2",
-    ),
-    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais"), "gpt2"),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), "llama3"),
-}
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# llama.cpp token types (enum llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
 
 # GGUF per-layer tensor suffix -> Hugging Face LlamaForCausalLM name within model.layers.N.
 _LAYER_NAMES = {
@@ -71,10 +52,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     if out_dir.exists():
         raise FileExistsError(f"refusing to overwrite existing {out_dir}")
     reader = GGUFReader(gguf_path)
-    meta = _Metadata(reader, gguf_path)
+    meta = GGUFMetadata(reader, gguf_path)
     config = _build_config(meta, {t.name for t in reader.tensors})
     _check_tensors(reader, config)
-    tokenizer = _build_tokenizer(meta)
+    tokenizer = build_tokenizer(meta)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -82,7 +63,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         _write_safetensors(tmp / "model.safetensors", _hf_tensors(reader, config))
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(meta, config))
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta, config))
         _write_json(tmp / "generation_config.json", _generation_config(config))
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the model folder is meant to be shared
         _fsync_dir(tmp)
@@ -108,7 +89,9 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     return head.swapaxes(1, 2).reshape(weight.shape)
 
 
-class _Metadata:
+class GGUFMetadata:
+    """A GGUF file's metadata; a missing required key is a ValueError naming the file."""
+
     def __init__(self, reader: GGUFReader, path: Path):
         self._fields = reader.fields
         self._path = path
@@ -131,7 +114,7 @@ class _Metadata:
         return self.get(f"{self.arch}.{key}", default)
 
 
-def _build_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
+def _build_config(meta: GGUFMetadata, tensor_names: set[str]) -> dict[str, Any]:
     if meta.arch_get("expert_count", 0):
         raise ValueError("mixture-of-experts llama GGUF files are not supported")
     if "rope_freqs.weight" in tensor_names:
@@ -168,7 +151,7 @@ def _build_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
     return config
 
 
-def _refuse_rope_scaling(meta: _Metadata) -> None:
+def _refuse_rope_scaling(meta: GGUFMetadata) -> None:
     # GGUF carries linear and YaRN scaling as metadata; the model implements only
     # Llama 3 scaling (which GGUF stores as a rope_freqs tensor, refused as well),
     # so converting these would produce a folder that then fails every load.
@@ -278,115 +261,6 @@ def _write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]]) ->
         out.flush()
         os.fsync(out.fileno())
     body.unlink()
-
-
-def _build_tokenizer(meta: _Metadata) -> Tokenizer:
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')")
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens")
-    merges = []
-    for merge in meta.get("tokenizer.ggml.merges"):
-        pair = merge.split(" ")
-        if len(pair) != 2:
-            raise ValueError(f"malformed BPE merge {merge!r}")
-        merges.append((pair[0], pair[1]))
-    vocab = {token: index for index, token in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ValueError("GGUF vocabulary has duplicate tokens")
-    # Required: llama.cpp's fallback for a missing value is its own regex set, not GPT-2's.
-    pre = meta.get("tokenizer.ggml.pre")
-    # llama.cpp's llama3 family looks a whole word up in the vocabulary before merging.
-    ignore_merges = _PRE_KINDS.get(pre) == "llama3"
-    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
-    tokenizer = Tokenizer(bpe)
-    tokenizer.normalizer = None
-    add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(pre, add_prefix_space)
-    tokenizer.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type", None) or []
-    # normalized=False: these must match the raw text, e.g. "<|im_start|>" typed into a prompt.
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, t in enumerate(types)
-            if t == _CONTROL
-        ]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(tokens[i], special=False, normalized=False)
-            for i, t in enumerate(types)
-            if t == _USER_DEFINED
-        ]
-    )
-    tokenizer.post_processor = _post_processor(meta, tokens)
-    return tokenizer
-
-
-def _pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
-    kind = _PRE_KINDS.get(pre)
-    if kind is None:
-        # A guessed split would tokenize most text right and some wrong: worse than failing.
-        raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}; supported: {sorted(_PRE_KINDS)}")
-    byte_level = pre_tokenizers.ByteLevel(
-        add_prefix_space=add_prefix_space, use_regex=kind != "llama3"
-    )
-    if kind == "digits+gpt2":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if kind == "llama3":
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence([split, byte_level])
-    return byte_level
-
-
-def _adds_bos_eos(meta: _Metadata) -> tuple[bool, bool]:
-    # llama.cpp turns BOS on for the llama3 family unless the file says otherwise.
-    llama3 = _PRE_KINDS.get(meta.get("tokenizer.ggml.pre", None)) == "llama3"
-    return (
-        bool(meta.get("tokenizer.ggml.add_bos_token", llama3)),
-        bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-    )
-
-
-def _post_processor(meta: _Metadata, tokens: list[str]) -> processors.PostProcessor:
-    """Add BOS/EOS on encode exactly when llama.cpp would."""
-    wrap: dict[str, tuple[str, int]] = {}
-    for name, wanted in zip(("bos", "eos"), _adds_bos_eos(meta), strict=True):
-        if wanted:
-            token_id = int(meta.get(f"tokenizer.ggml.{name}_token_id"))
-            wrap[name] = (tokens[token_id], token_id)
-    if not wrap:
-        return processors.ByteLevel(trim_offsets=False)
-
-    def sequence(piece: str) -> list[str]:
-        bos, eos = wrap.get("bos"), wrap.get("eos")
-        return [*([bos[0]] if bos else []), piece, *([eos[0]] if eos else [])]
-
-    return processors.TemplateProcessing(
-        single=sequence("$A"),
-        pair=sequence("$A") + sequence("$B:1"),
-        special_tokens=list(wrap.values()),
-    )
-
-
-def _tokenizer_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any]:
-    tokens = meta.get("tokenizer.ggml.tokens")
-    out: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": _adds_bos_eos(meta)[0],
-        "add_eos_token": _adds_bos_eos(meta)[1],
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-    }
-    for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id", None)
-        if token_id is not None:
-            out[f"{name}_token"] = tokens[int(token_id)]
-    template = meta.get("tokenizer.chat_template", None)
-    if template is not None:
-        out["chat_template"] = template
-    return out
 
 
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
