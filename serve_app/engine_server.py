@@ -190,6 +190,9 @@ class EngineServer:
             self._count_handoff(
                 result, received - sent, self.engine.stats().kv_import_s - imported_s
             )
+            # The first output comes after the import: let go of the export now, so the
+            # prefill ranks free it (see kv_transport) rather than after the last token.
+            del result, response
             try:
                 yield first
                 async for out in stream:
@@ -268,6 +271,11 @@ class EngineServer:
             "handoff": asdict(self.handoff),
             "gpus": self.gpus.to_dict(),
         }
+
+    async def live_kv_exports(self) -> tuple[int, int]:
+        """(slices, bytes) of KV this replica's ranks exported that a decode replica still
+        references: a handoff's export lives until its import, then Ray frees it."""
+        return await asyncio.to_thread(self.engine.engine.live_kv_exports)
 
     async def __del__(self) -> None:
         # Serve calls this on graceful shutdown (scale down, redeploy), and also after a

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model (cached across runs) and tiny synthetic GGUF files."""
+"""Shared fixtures: the real default model (cached across runs), tiny synthetic GGUF files and
+a tiny random Llama, the Helm chart, and a private Ray with the Serve service on it."""
 
 from __future__ import annotations
 
@@ -153,6 +154,25 @@ def make_tiny_gguf() -> Callable[..., dict[str, np.ndarray]]:
     return write_tiny_gguf
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A small random-weight Llama folder (tiny_model's defaults), one per module. Used by the
+    test_async_engine* and test_kv_transfer* modules; a module wanting another defines its own."""
+    from tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def chart():
+    """The Helm chart under helm/, loaded with the real Helm library (test_helm_chart*)."""
+    import helm_python as helm
+    from helm_chart_helpers import CHART
+
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted default model, from the user cache (downloaded and converted at most once)."""
@@ -211,3 +231,53 @@ def ray_cluster(ray_metrics_port):
     yield ray
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, smollm2_dir, serve_ports):
+    """The service test_service.py exercises: apps "disagg" and "agg" on one Serve instance,
+    on the real model. Module-scoped: a module using it deploys, and shuts down, its own."""
+    import ray
+    from ray import serve
+    from service_helpers import KV, _leftovers
+
+    from serve_app import service_ops
+    from serve_app.config import AppConfig, PoolConfig
+
+    # Serve retries a replica it cannot place for ever: a CPU an earlier test left
+    # reserved would turn the scaling test into a hang, so find it here.
+    total, free = ray.cluster_resources()["CPU"], ray.available_resources().get("CPU", 0.0)
+    assert free == total, f"earlier tests left {total - free:g} CPUs reserved: {_leftovers()}"
+    disagg = AppConfig(
+        mode="disaggregated",
+        prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
+        decode=PoolConfig(kv_cache_bytes=KV),
+    )
+    # Streams every 3 tokens after the first, so test_service.py's comparisons also cover
+    # merged messages through the router's text and stop strings.
+    agg = AppConfig(mode="aggregated", stream_interval=3, aggregated=PoolConfig(kv_cache_bytes=KV))
+    service_ops.deploy(disagg, app_name="disagg", route_prefix="/disagg", **serve_ports)
+    service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **serve_ports)
+    yield {
+        "http": f"http://127.0.0.1:{serve_ports['http_port']}",
+        "grpc": f"127.0.0.1:{serve_ports['grpc_port']}",
+    }
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def disagg(service):
+    """A gRPC client of `service`'s "disagg" application."""
+    from serve_app.client import BatonClient
+
+    with BatonClient(service["grpc"], application="disagg") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def agg(service):
+    """A gRPC client of `service`'s "agg" application."""
+    from serve_app.client import BatonClient
+
+    with BatonClient(service["grpc"], application="agg") as client:
+        yield client

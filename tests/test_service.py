@@ -6,6 +6,10 @@ aggregated pool). Clients are the ones users run: grpcio stubs through Serve's g
 proxy and the `openai` library through Serve's HTTP proxy. The last test checks that
 every request of the module, cancelled ones included, gave all its KV blocks back on
 every pool.
+
+The service is conftest.py's module-scoped `service` fixture (with its `disagg` and `agg`
+clients): one deployment for all of this module's tests, which run in file order and rely
+on it (the metrics test counts the bad-input tests' requests; the last test sees them all).
 """
 
 from __future__ import annotations
@@ -13,104 +17,35 @@ from __future__ import annotations
 import re
 import threading
 import time
-import urllib.request
 
 import grpc
 import openai
 import pytest
-import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ray import serve
+from service_helpers import (
+    KV,
+    MAX_TOKENS,
+    PROMPTS,
+    _decode_stats,
+    _greedy,
+    _scrape,
+    _snapshots,
+    _wait_all_blocks_free,
+    _wait_prefill_exports_freed,
+)
 
 from serve_app import service_ops
 from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.grpc_api import baton_pb2 as pb
-from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import FinishReason
 
 pytestmark = pytest.mark.slow
-
-KV = 48 * 2**20  # per engine: room for the module's requests, small enough for 9 processes
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Write a haiku about the sea.",
-    "1, 1, 2, 3, 5, 8,",
-]
-MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def service(ray_cluster, smollm2_dir, serve_ports):
-    # Serve retries a replica it cannot place for ever: a CPU an earlier test left
-    # reserved would turn the scaling test into a hang, so find it here.
-    total, free = ray.cluster_resources()["CPU"], ray.available_resources().get("CPU", 0.0)
-    assert free == total, f"earlier tests left {total - free:g} CPUs reserved: {_leftovers()}"
-    disagg = AppConfig(
-        mode="disaggregated",
-        prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
-        decode=PoolConfig(kv_cache_bytes=KV),
-    )
-    # Streams every 3 tokens after the first, so the comparisons below also cover merged
-    # messages through the router's text and stop strings.
-    agg = AppConfig(mode="aggregated", stream_interval=3, aggregated=PoolConfig(kv_cache_bytes=KV))
-    service_ops.deploy(disagg, app_name="disagg", route_prefix="/disagg", **serve_ports)
-    service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **serve_ports)
-    yield {
-        "http": f"http://127.0.0.1:{serve_ports['http_port']}",
-        "grpc": f"127.0.0.1:{serve_ports['grpc_port']}",
-    }
-    serve.shutdown()
-
-
-def _leftovers() -> list[str]:
-    from ray.util import placement_group_table
-
-    groups = placement_group_table().values()
-    return [f"placement group {g['bundles']}" for g in groups if g["state"] != "REMOVED"]
-
-
-@pytest.fixture(scope="module")
-def disagg(service):
-    with BatonClient(service["grpc"], application="disagg") as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def agg(service):
-    with BatonClient(service["grpc"], application="agg") as client:
-        yield client
-
-
-def _greedy(prompt, max_tokens=MAX_TOKENS, **kw) -> pb.GenerateRequest:
-    return generate_request(prompt, max_tokens=max_tokens, temperature=0.0, **kw)
-
-
-def _snapshots() -> list[dict]:
-    return ray.get(get_or_create_board(DEFAULT_BOARD_NAME).snapshots.remote(5.0))
-
-
-def _wait_all_blocks_free(timeout_s: float = 30.0) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snaps = _snapshots()
-        busy = [
-            s
-            for s in snaps
-            if s["engine"]["num_free_blocks"] != s["engine"]["num_total_blocks"]
-            or s["engine"]["num_running"]
-            or s["engine"]["handoffs_held"]
-        ]
-        if snaps and not busy:
-            return snaps
-        if time.monotonic() > deadline:
-            raise AssertionError(f"blocks still in use after {timeout_s}s: {busy or snaps}")
-        time.sleep(0.5)
 
 
 def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
@@ -278,11 +213,6 @@ def test_sixteen_concurrent_streams_all_complete(disagg):
         assert sum(len(m.token_ids) for m in messages) == messages[-1].usage.completion_tokens
 
 
-def _decode_stats(app: str = "disagg") -> dict:
-    handle = serve.get_deployment_handle("DecodeServer", app_name=app)
-    return handle.stats.remote().result()
-
-
 def test_a_prefix_decode_holds_is_not_transferred_again(disagg):
     prompt = "Here is a long shared system preamble for every request. " * 8
     num_tokens = len(disagg.tokenize(prompt))
@@ -300,7 +230,7 @@ def test_a_prefix_decode_holds_is_not_transferred_again(disagg):
     assert after["num_bytes"] - middle["num_bytes"] < middle["num_bytes"] - before["num_bytes"]
 
 
-def test_client_cancellation_and_deadline_free_the_blocks(service, disagg):
+def test_exports_free_at_import_and_cancels_and_deadlines_free_the_blocks(service, disagg):
     # Mid-stream, over HTTP: the openai client closes its SSE stream. (Serve 2.60's gRPC
     # proxy loses a streaming call's cancel when the client leaves while the proxy is
     # writing to it: `send_request_to_replica` catches the GeneratorExit and yields
@@ -312,6 +242,8 @@ def test_client_cancellation_and_deadline_free_the_blocks(service, disagg):
     )
     for _, _ in zip(range(3), stream, strict=False):
         pass
+    # Imported, so the prefill ranks have freed the export though the request goes on.
+    _wait_prefill_exports_freed()
     stream.close()
     with pytest.raises(grpc.RpcError) as err:
         long = _greedy("Tell me a long story.", max_tokens=400, ignore_eos=True)
@@ -398,17 +330,6 @@ def test_scaling_prefill_during_traffic_fails_nothing_and_the_new_replica_serves
     prefill = [s for s in _snapshots() if (s["app"], s["role"]) == ("disagg", "prefill")]
     assert len(prefill) == 2
     assert all(s["engine"]["num_steps"] > 0 for s in prefill), prefill
-
-
-def _scrape(port: int) -> dict[str, list[tuple[str, float]]]:
-    """Prometheus text from Ray's metrics endpoint: metric name -> [(labels, value)]."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples: dict[str, list[tuple[str, float]]] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{.*\})?\s+(\S+)", line)
-        if m and not line.startswith("#"):
-            samples.setdefault(m.group(1), []).append((m.group(2) or "", float(m.group(3))))
-    return samples
 
 
 def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):

@@ -4,7 +4,8 @@ Commands (`Add`, `Call`, `Abort`) are queued under the AsyncEngine's lock and ru
 engine thread between steps; outputs and replies go back to each caller's own event
 loop with `call_soon`, which never blocks the engine thread; `fail_all` tells everyone
 when that thread has failed. On the caller's side, `next_output` turns what a stream's
-queue holds into the next message it yields.
+queue holds into the next message it yields, and `pull_kv` moves a handoff's KV to the
+engine's ranks before its request is added.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineDeadError, dead_error
+from workers.engine.kv_transport import KVPart
 from workers.engine.outputs import RequestOutput
 from workers.engine.sequence import FinishReason
 
@@ -99,9 +101,21 @@ async def next_output(
     return (batch[0] if len(batch) == 1 else merge_outputs(batch)), error
 
 
-def release_pulled(engine: LLMEngine, pulling: asyncio.Future) -> None:
-    """Done-callback of a KV pull whose request was cancelled meanwhile: frees what it
-    staged."""
+async def pull_kv(engine: LLMEngine, kv_parts: list[KVPart]) -> list[KVPart]:
+    """A handoff's parts moved to this engine's ranks (`LLMEngine.prefetch_kv`) on a worker
+    thread: the transfer never stalls other requests' steps, and one that fails (its
+    exporter died) fails this request before it reaches the engine. Cancelled, the pull
+    still finishes in its thread, and what it staged is freed then."""
+    pulling = asyncio.ensure_future(asyncio.to_thread(engine.prefetch_kv, kv_parts))
+    try:
+        await asyncio.shield(pulling)
+    except asyncio.CancelledError:
+        pulling.add_done_callback(lambda f: _release_pulled(engine, f))
+        raise
+    return pulling.result()
+
+
+def _release_pulled(engine: LLMEngine, pulling: asyncio.Future) -> None:
     if not pulling.cancelled() and pulling.exception() is None:
         engine.release_prefetched_kv(pulling.result())
 

@@ -36,7 +36,7 @@ from workers.engine.async_commands import (
     fail,
     fail_all,
     next_output,
-    release_pulled,
+    pull_kv,
     resolve,
 )
 from workers.engine.config import EngineConfig
@@ -148,28 +148,25 @@ class AsyncEngine:
         if any(isinstance(p, KVRef) for p in kv_parts):
             with self._cond:
                 self._check_room()  # a request refused anyway should not pay the transfer
-            # Pulled from the prefill ranks (by this engine's own ranks under TP) off the
-            # engine thread: the transfer never stalls other requests' steps, and one that
-            # fails (its exporter died) fails this request before it reaches the engine.
-            pulling = asyncio.ensure_future(asyncio.to_thread(self.engine.prefetch_kv, kv_parts))
-            try:
-                kv_parts = await asyncio.shield(pulling)
-            except asyncio.CancelledError:
-                # The pull goes on in its thread: free what it stages once it is done.
-                pulling.add_done_callback(lambda f: release_pulled(self.engine, f))
-                raise
+            kv_parts = await pull_kv(self.engine, kv_parts)
+        # The engine takes the parts at submit and drops them once imported. Nothing here
+        # may hold them longer: a reference kept for the whole request would keep the
+        # export alive in the prefill ranks' memory (and pulled data in this one) until
+        # the last token.
+        unsent = [kv_parts]
+        del kv_parts
 
         def submit(engine: LLMEngine) -> None:
-            engine.add_prefilled_request(request_id, prompt, params, handle, kv_parts, cache_salt)
+            parts = unsent.pop()
+            engine.add_prefilled_request(request_id, prompt, params, handle, parts, cache_salt)
 
         stream = self._stream(request_id, len(prompt), submit)
         try:
             async for out in stream:
                 yield out
         except (EngineOverloadedError, EngineDeadError):
-            # Perhaps refused before reaching the engine, which would have freed what it
-            # was given (a second release is a no-op).
-            self.engine.release_prefetched_kv(kv_parts)
+            if unsent:  # refused before reaching the engine (which frees what it is given)
+                self.engine.release_prefetched_kv(unsent.pop())
             raise
         finally:
             await stream.aclose()  # now, not at garbage collection: it aborts the request
@@ -298,7 +295,8 @@ class AsyncEngine:
                     self._commands_running = commands
                     stopping = self._stopping
                 num_adds = self._execute(commands)
-                self._commands_running = []
+                # Not kept while idle: a command's closure or reply may hold an export.
+                self._commands_running = commands = []
                 if stopping:
                     self._abort_all()
                     self._publish_stats(num_adds)

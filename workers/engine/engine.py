@@ -335,6 +335,11 @@ class LLMEngine:
         thread; a no-op when nothing is held). Aborting an added request frees it too."""
         self.runner.release_prefetched(kv_parts)
 
+    def live_kv_exports(self) -> tuple[int, int]:
+        """Prefill side, callable from any thread: (slices, bytes) of exported KV that an
+        importer still references, kept outside the KV block budget until it lets go."""
+        return self.runner.live_exports()
+
     def _admit_imports(self, now: float) -> None:
         for seq, handle in self.imports.admit(self.config.max_num_seqs):
             token, logprob = handle.first_token, handle.first_logprob

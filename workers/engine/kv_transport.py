@@ -20,7 +20,10 @@ every TP rank already uses for its own all-reduces.
 
 An exported slice lives as long as a reference to it does: once decode has imported
 it and dropped the handle, Ray frees it on the prefill rank; if decode dies first, its
-borrowed references die with it and the slice is freed all the same.
+borrowed references die with it and the slice is freed all the same. So the importer
+drops its references as soon as the import is done, not when the request ends:
+until then the slice is prefill memory outside its KV block budget. `live_exports`
+tells what a process still holds.
 
 Every process that exports or fetches over nixl first installs its own NIXL agent
 (`nixl_agent.install_nixl_agent`), one whose progress thread does not spin.
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +45,10 @@ from workers.engine.kv_transfer import KVBlocks
 from workers.engine.nixl_agent import install_nixl_agent
 
 TRANSPORTS = ("object_store", "nixl")
+
+# This process's exported slices that Ray still holds for an importer (see live_exports).
+_exported: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+_exported_lock = threading.Lock()  # exports run on the engine thread, live_exports on any
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,17 @@ def publish(kv: KVBlocks, transport: str) -> KVPart:
 
     install_nixl_agent()
     ref = ray.put(kv.data, _tensor_transport=transport)
+    with _exported_lock:
+        _exported.add(kv.data)  # Ray keeps this very tensor until the last reference is gone
     return KVRef(ref, tuple(kv.data.shape), kv.data.dtype, kv.tp_rank, kv.tp_size, kv.start_block)
+
+
+def live_exports() -> tuple[int, int]:
+    """(slices, bytes) this process exported over a direct transport that some reference
+    still keeps alive: handoffs whose importer has not let go yet."""
+    with _exported_lock:
+        tensors = list(_exported)
+    return len(tensors), sum(t.nbytes for t in tensors)
 
 
 def fetch(part: KVPart) -> KVBlocks:

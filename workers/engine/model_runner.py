@@ -161,6 +161,10 @@ class ModelRunner:
         kv = kv_transfer.export_blocks(self, block_ids, start_block)
         return [kv_transport.publish(kv, transport)]
 
+    def live_exports(self) -> tuple[int, int]:
+        """(slices, bytes) of this rank's direct-transport exports still referenced."""
+        return kv_transport.live_exports()
+
     def prefetch(self, parts: list[KVPart]) -> list[KVPart]:
         """The export's parts held in this process (a transfer for KVRefs); thread-safe."""
         return list(kv_transport.fetch_all(parts))

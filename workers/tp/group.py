@@ -155,6 +155,12 @@ class TPWorkerGroup:
             ]
         )
 
+    def live_exports(self) -> tuple[int, int]:
+        """(slices, bytes) of the ranks' direct-transport exports still referenced."""
+        # On the transfer thread: not queued behind a step.
+        per_rank = self._gather([_on_pull_thread(w.live_exports).remote() for w in self._ranks()])
+        return sum(n for n, _ in per_rank), sum(b for _, b in per_rank)
+
     def pull_stats(self) -> list[tuple[int, int, int]]:
         """Per rank: (exports pulled, bytes pulled, exports still staged)."""
         return self._gather([w.pull_stats.remote() for w in self._ranks()])

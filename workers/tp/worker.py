@@ -116,6 +116,9 @@ class TPWorker:
         kv = replace(share, data=data, start_block=from_block)
         kv_transfer.import_blocks(self._runner(), block_ids, kv)
 
+    def live_exports(self) -> tuple[int, int]:
+        return kv_transport.live_exports()
+
     def pull_stats(self) -> tuple[int, int, int]:
         """(pulls, bytes pulled, exports still staged) of this rank."""
         return self.num_pulls, self.num_pulled_bytes, len(self._staged)

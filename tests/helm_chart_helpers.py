@@ -1,0 +1,122 @@
+"""What the Helm chart tests share: paths, the value sets an operator would install, and
+rendering the chart (with the real Helm library) into objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm"
+CRD = REPO.parent / "shared" / "crds" / "ray.io_rayservices.yaml"
+# A recent release kubernetes-validate ships schemas for; lint checks against it too.
+KUBE_VERSION = "1.35.0"
+RELEASE = "demo"
+
+# Value sets an operator would plausibly install, beside the defaults.
+CPU_ONLY = {
+    "prefill": {
+        "replicas": 2,
+        "replica": {
+            "numCpus": 1,
+            "numThreads": 2,
+            "kvCacheBytes": 256 * 2**20,
+            "dtype": "bfloat16",
+        },
+        "resources": {
+            "requests": {"cpu": "3", "memory": "6Gi"},
+            "limits": {"cpu": "3", "memory": "6Gi"},
+        },
+        "nodeSelector": {"node.kubernetes.io/instance-type": "c7i.xlarge"},
+    },
+    "decode": {
+        "replicas": 3,
+        "replica": {"maxNumSeqs": 128, "maxOngoingRequests": 256},
+        "resources": {"requests": {"cpu": "1500m", "memory": "3Gi"}, "limits": {"memory": "3Gi"}},
+    },
+    "router": {"replicas": 2},
+    "blockSize": 32,
+    "enablePrefixCaching": False,
+    "streamInterval": 4,
+}
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+MULTI_GPU_TP = {
+    "image": {"repository": "registry.example.com/baton", "tag": "0.1.0-cuda"},
+    "prefill": {
+        "tensorParallelSize": 3,
+        "replica": {"numGpus": 1, "kvCacheBytes": 8 * 2**30},
+        "resources": {
+            "requests": {"cpu": "8", "memory": "48Gi"},
+            "limits": {"cpu": "8", "memory": "48Gi", "nvidia.com/gpu": 3},
+        },
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "tolerations": [GPU_TOLERATION],
+    },
+    "decode": {
+        "replicas": 2,
+        "replica": {"numGpus": 1, "maxNumSeqs": 256},
+        "resources": {
+            "requests": {"cpu": "4", "memory": "24Gi"},
+            "limits": {"cpu": "4", "memory": "24Gi", "nvidia.com/gpu": 1},
+        },
+        "tolerations": [GPU_TOLERATION],
+    },
+}
+AUTOSCALING = {
+    "model": {"servedModelName": "smollm2", "maxModelLen": 2048},
+    "prefill": {
+        "replicas": 2,
+        "autoscaling": {
+            "enabled": True,
+            "minReplicas": 1,
+            "maxReplicas": 6,
+            "targetOngoingRequests": 8,
+        },
+    },
+    "decode": {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 10}},
+    "rayAutoscaler": {"idleTimeoutSeconds": 120, "upscalingMode": "Conservative"},
+    "podMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},
+}
+AGGREGATED = {"mode": "aggregated", "aggregated": {"replicas": 2}}
+VALUE_SETS = {
+    "default": {},
+    "cpu-only": CPU_ONLY,
+    "multi-gpu-tp": MULTI_GPU_TP,
+    "autoscaling": AUTOSCALING,
+    "aggregated": AGGREGATED,
+}
+value_sets = pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+
+
+def _render(chart: helm.Chart, values: dict[str, Any]) -> list[dict[str, Any]]:
+    manifests = chart.render(values=values, name=RELEASE, namespace="baton")
+    return [
+        doc
+        for name, text in manifests.items()
+        if not name.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+
+
+def _rayservice(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (found,) = [d for d in docs if d["kind"] == "RayService"]
+    assert found["apiVersion"] == "ray.io/v1"
+    return found
+
+
+def _groups(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def _serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+def _merged(chart: helm.Chart, values: dict[str, Any]) -> dict[str, Any]:
+    return chart.merge_values(values)

@@ -1,0 +1,82 @@
+"""What the service tests share: the requests they send, and what they read back from the
+running service (the status board, a pool's stats, Ray's Prometheus endpoint)."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import ray
+from ray import serve
+
+from serve_app.client import generate_request
+from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
+
+KV = 48 * 2**20  # per engine: room for the module's requests, small enough for 9 processes
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a haiku about the sea.",
+    "1, 1, 2, 3, 5, 8,",
+]
+MAX_TOKENS = 24
+
+
+def _leftovers() -> list[str]:
+    from ray.util import placement_group_table
+
+    groups = placement_group_table().values()
+    return [f"placement group {g['bundles']}" for g in groups if g["state"] != "REMOVED"]
+
+
+def _greedy(prompt, max_tokens=MAX_TOKENS, **kw) -> pb.GenerateRequest:
+    return generate_request(prompt, max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def _snapshots() -> list[dict]:
+    return ray.get(get_or_create_board(DEFAULT_BOARD_NAME).snapshots.remote(5.0))
+
+
+def _wait_all_blocks_free(timeout_s: float = 30.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snaps = _snapshots()
+        busy = [
+            s
+            for s in snaps
+            if s["engine"]["num_free_blocks"] != s["engine"]["num_total_blocks"]
+            or s["engine"]["num_running"]
+            or s["engine"]["handoffs_held"]
+        ]
+        if snaps and not busy:
+            return snaps
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still in use after {timeout_s}s: {busy or snaps}")
+        time.sleep(0.5)
+
+
+def _decode_stats(app: str = "disagg") -> dict:
+    handle = serve.get_deployment_handle("DecodeServer", app_name=app)
+    return handle.stats.remote().result()
+
+
+def _wait_prefill_exports_freed(app: str = "disagg", timeout_s: float = 10.0) -> None:
+    handle = serve.get_deployment_handle("PrefillServer", app_name=app)
+    deadline = time.monotonic() + timeout_s
+    while (held := handle.live_kv_exports.remote().result()) != (0, 0):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"prefill still holds {held} exported (slices, bytes)")
+        time.sleep(0.1)
+
+
+def _scrape(port: int) -> dict[str, list[tuple[str, float]]]:
+    """Prometheus text from Ray's metrics endpoint: metric name -> [(labels, value)]."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples: dict[str, list[tuple[str, float]]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{.*\})?\s+(\S+)", line)
+        if m and not line.startswith("#"):
+            samples.setdefault(m.group(1), []).append((m.group(2) or "", float(m.group(3))))
+    return samples

@@ -1,0 +1,150 @@
+"""AsyncEngine KV handoffs on a small random-weight Llama: a prefill-only stream handed to a
+second engine, TP decode ranks pulling it (Ray, slow), and held handoffs that expire or are
+freed by an abort or a consumer that went away.
+
+Each test drives its own event loop with asyncio.run (no pytest-asyncio dependency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from async_engine_helpers import GREEDY, TIMEOUT, _all_blocks_free, _engine, _until
+from tiny_model import random_prompts
+
+from workers.engine.async_engine import AsyncEngine
+
+
+def test_a_prefill_only_stream_hands_off_to_a_second_engine_through_call(model_dir):
+    prompt = random_prompts(1, seed=3)[0]
+    expected = _engine(model_dir).generate([prompt], GREEDY)[0].output_token_ids
+
+    async def main():
+        prefill, decode = AsyncEngine(_engine(model_dir)), AsyncEngine(_engine(model_dir))
+        outs = [o async for o in prefill.generate("r", prompt, GREEDY, prefill_only=True)]
+        assert len(outs) == 1 and outs[0].handoff is not None and outs[0].finish_reason is None
+        handle, parts = await prefill.call(lambda e: e.export_kv("r"))
+        assert await prefill.call(lambda e: e.release_handoff("r"))
+        with pytest.raises(ValueError, match="holds no KV handoff"):
+            await prefill.call(lambda e: e.export_kv("r"))
+        stream = decode.generate_prefilled("r", prompt, GREEDY, handle, parts)
+        tokens = [t async for o in stream for t in o.new_token_ids]
+        assert tokens == expected
+        # Stats are published just after the last output is handed out.
+        await _until(lambda: _all_blocks_free(prefill) and _all_blocks_free(decode), "frees")
+        await prefill.shutdown()
+        await decode.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_tp_decode_ranks_pull_the_handoff_the_export_is_freed_at_import_a_cancel_frees_it(
+    ray_cluster, model_dir
+):
+    # Both engines TP 2: their ranks (actors, killed at shutdown) do every nixl transfer,
+    # so no NIXL agent outlives the test in this process.
+    prompts = random_prompts(3, seed=6)
+    expected = [s.output_token_ids for s in _engine(model_dir).generate(prompts, GREEDY)]
+
+    def pulled_and_staged(engine: AsyncEngine) -> list[tuple[int, int]]:
+        return [(n, s) for n, _, s in engine.engine.runner.pull_stats()]
+
+    async def handoff(prefill: AsyncEngine, rid: str, prompt: list[int]):
+        [o async for o in prefill.generate(rid, prompt, GREEDY, prefill_only=True)]
+        return await prefill.call(lambda e: (e.export_kv(rid), e.release_handoff(rid))[0])
+
+    async def main():
+        tp2 = {"tensor_parallel_size": 2}
+        prefill = AsyncEngine(_engine(model_dir, kv_transport="nixl", **tp2))
+        decode = AsyncEngine(_engine(model_dir, **tp2))
+        try:
+            got = []
+            for i, prompt in enumerate(prompts[:2]):
+                handle, parts = await handoff(prefill, f"r{i}", prompt)
+                nbytes = sum(p.nbytes for p in parts)
+                assert prefill.engine.live_kv_exports() == (2, nbytes)  # one slice per rank
+                stream = decode.generate_prefilled(f"r{i}", prompt, GREEDY, handle, parts)
+                del parts  # from here on only the decode side holds the export
+                first = await anext(stream)  # comes after the import
+                # The prefill ranks free their slices now, not when the request ends.
+                await _until(lambda: prefill.engine.live_kv_exports() == (0, 0), "the free")
+                got.append(first.new_token_ids + [t async for o in stream for t in o.new_token_ids])
+            # Cancelled while its ranks may still be pulling: what they stage is dropped.
+            handle, parts = await handoff(prefill, "c", prompts[2])
+
+            async def consume():
+                async for _ in decode.generate_prefilled("c", prompts[2], GREEDY, handle, parts):
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0)  # consume() now waits on its ranks' pull
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # The pull goes on after the cancel (it is not interruptible); each rank
+            # then holds nothing.
+            await _until(
+                lambda: pulled_and_staged(decode) == [(3, 0), (3, 0)],
+                "the cancelled request's pull to finish and be dropped",
+            )
+            return got
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    assert asyncio.run(main()) == expected[:2]
+
+
+def test_a_held_handoff_expires_while_the_engine_is_idle(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir, handoff_timeout_s=0.2))
+        prompt = random_prompts(1, seed=4)[0]
+        outs = [o async for o in engine.generate("h", prompt, GREEDY, prefill_only=True)]
+        assert outs[-1].handoff is not None
+        # Nothing else happens: the engine thread must wake for the deadline on its own.
+        await _until(lambda: engine.stats().handoffs_expired == 1, "the handoff to expire")
+        await _until(lambda: _all_blocks_free(engine), "the expired blocks to be freed")
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_abort_nowait_releases_a_held_handoff(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir))
+        prompt = random_prompts(1, seed=5)[0]
+        [o async for o in engine.generate("h", prompt, GREEDY, prefill_only=True)]
+        await _until(lambda: engine.stats().handoffs_held == 1, "the handoff to be held")
+        assert not _all_blocks_free(engine)
+        engine.abort_nowait("h")
+        await _until(lambda: _all_blocks_free(engine), "the held blocks to be freed")
+        assert await engine.call(lambda e: len(e.handoffs)) == 0
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_consumer_gone_before_reading_its_finished_prefill_frees_the_handoff(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir, handoff_timeout_s=600))
+        prompt = random_prompts(1, seed=7)[0]
+        stream = engine.generate("h", prompt, GREEDY, prefill_only=True)
+        reader = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # the reader starts: the request is queued, it waits
+        # Blocking this loop: the engine finishes the prefill and holds the handoff, and
+        # the output waits on the loop for a reader that is cancelled before it runs.
+        deadline = time.monotonic() + TIMEOUT
+        while engine.stats().handoffs_held != 1:
+            assert time.monotonic() < deadline, "the handoff was never held"
+            time.sleep(0.01)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await _until(lambda: _all_blocks_free(engine), "the held blocks to be freed")
+        assert engine.stats().handoffs_expired == 0
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,132 @@
+"""The Helm chart's worker groups host their Serve pools (resources, replica counts,
+autoscaling, scheduling), and its Service and PodMonitor select the Ray pods."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import helm_python as helm
+from helm_chart_helpers import (
+    AUTOSCALING,
+    MULTI_GPU_TP,
+    RELEASE,
+    _groups,
+    _merged,
+    _rayservice,
+    _render,
+    _serve_config,
+    value_sets,
+)
+
+from serve_app.config import AppConfig
+
+
+def _ray_start_resources(group: dict[str, Any]) -> dict[str, float]:
+    # KubeRay's form: a JSON object in escaped double quotes, '"{\"name\": 1}"'.
+    raw = group["rayStartParams"]["resources"]
+    assert raw.startswith('"') and raw.endswith('"'), raw
+    return json.loads(raw[1:-1].replace('\\"', '"'))
+
+
+@value_sets
+def test_worker_groups_host_their_pools(chart, values):
+    merged = _merged(chart, values)
+    rayservice = _rayservice(_render(chart, values))
+    groups = _groups(rayservice)
+    args = AppConfig.model_validate(_serve_config(rayservice)["applications"][0]["args"])
+    pools = args.pools()
+    assert set(groups) == set(pools)
+    any_autoscaling = False
+    for role, pool in pools.items():
+        group, v = groups[role], merged[role]
+        # The replica's custom resource is offered by its own group's pods and no other's.
+        (name,) = pool.resources
+        assert _ray_start_resources(group) == {name: 1} and pool.resources[name] == 1
+        others = [_ray_start_resources(g) for r, g in groups.items() if r != role]
+        assert all(name not in o for o in others)
+        # One replica per pod: the worker group follows the Serve pool's counts.
+        assert group["replicas"] == pool.num_replicas
+        if pool.autoscaling is None:
+            assert group["minReplicas"] == group["maxReplicas"] == pool.num_replicas
+        else:
+            any_autoscaling = True
+            assert group["minReplicas"] == pool.autoscaling.min_replicas
+            assert group["maxReplicas"] == pool.autoscaling.max_replicas
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["resources"] == v["resources"]
+        assert pod.get("nodeSelector", {}) == v["nodeSelector"]
+        assert pod.get("tolerations", []) == v["tolerations"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["serve"] == 8000 and ports["grpc"] == 9000 and ports["metrics"] == 8080
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    # The head offers no pool resource, so no engine replica ever lands there.
+    assert "resources" not in cluster["headGroupSpec"]["rayStartParams"]
+    assert cluster["enableInTreeAutoscaling"] is any_autoscaling
+    assert ("autoscalerOptions" in cluster) is any_autoscaling
+
+
+def test_multi_gpu_group_requests_its_gpus(chart):
+    groups = _groups(_rayservice(_render(chart, MULTI_GPU_TP)))
+    prefill = groups["prefill"]["template"]["spec"]["containers"][0]
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 3
+    assert prefill["image"] == "registry.example.com/baton:0.1.0-cuda"
+    args = _serve_config(_rayservice(_render(chart, MULTI_GPU_TP)))["applications"][0]["args"]
+    assert args["prefill"]["tensor_parallel_size"] == 3 and args["prefill"]["num_gpus"] == 1
+
+
+def test_one_value_scales_one_pool(chart):
+    """`helm upgrade --set prefill.replicas=4` moves prefill's pods and replicas, nothing else."""
+    before = _rayservice(_render(chart, {}))
+    after = _rayservice(_render(chart, helm.parse_set_string("prefill.replicas=4")))
+    config_before, config_after = _serve_config(before), _serve_config(after)
+    assert config_after["applications"][0]["args"]["prefill"]["num_replicas"] == 4
+    config_after["applications"][0]["args"]["prefill"]["num_replicas"] = 1
+    assert config_after == config_before
+    groups = _groups(after)
+    assert groups["prefill"]["replicas"] == groups["prefill"]["minReplicas"] == 4
+    assert groups["prefill"]["maxReplicas"] == 4
+    for key in ("replicas", "minReplicas", "maxReplicas"):
+        groups["prefill"][key] = 1
+    del before["spec"]["serveConfigV2"], after["spec"]["serveConfigV2"]
+    assert after == before
+
+
+def test_service_exposes_http_and_grpc_of_serving_pods(chart):
+    docs = _render(chart, AUTOSCALING)
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    assert service["metadata"]["name"] == f"{RELEASE}-baton"
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["metadata"]["annotations"] == {"example.com/lb": "internal"}
+    ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
+    assert ports == {"http": (8000, "serve"), "grpc": (9000, "grpc")}
+    # KubeRay labels pods whose Serve proxy is up ray.io/serve=true; the rest of the
+    # selector is this release's pod labels, so every Ray pod of it can be selected.
+    selector = dict(service["spec"]["selector"])
+    assert selector.pop("ray.io/serve") == "true"
+    cluster = _rayservice(docs)["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]]
+    templates += [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        assert selector.items() <= template["metadata"]["labels"].items()
+        (container,) = template["spec"]["containers"]
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert named["serve"] == 8000 and named["grpc"] == 9000
+
+
+def test_pod_monitor_is_optional_and_scrapes_every_ray_pod(chart):
+    assert not [d for d in _render(chart, {}) if d["kind"] == "PodMonitor"]
+    docs = _render(chart, AUTOSCALING)
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    cluster = _rayservice(docs)["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]]
+    templates += [g["template"] for g in cluster["workerGroupSpecs"]]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    for template in templates:
+        assert selector.items() <= template["metadata"]["labels"].items()
+        (container,) = template["spec"]["containers"]
+        assert endpoint["port"] in {p["name"] for p in container["ports"]}
