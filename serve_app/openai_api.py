@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -156,12 +157,22 @@ def usage(out: RequestOutput) -> dict[str, Any]:
 class ResponseBuilder:
     """Builds one request's completion object, or its stream of chunks."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, decode_token):
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        decode_token: Callable[[int], str],
+        token_bytes: Callable[[int], bytes],
+    ):
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
-        self.decode_token = decode_token  # token id -> its text, for logprobs
+        # For logprobs: a token's text, and its exact bytes (the text of a token that
+        # holds part of a UTF-8 character is U+FFFD).
+        self.decode_token = decode_token
+        self.token_bytes = token_bytes
 
     def _logprobs(self, lps: list[TokenLogprob]) -> Any:
         if not lps:
@@ -172,12 +183,12 @@ class ResponseBuilder:
                     {
                         "token": self.decode_token(lp.token_id),
                         "logprob": lp.logprob,
-                        "bytes": list(self.decode_token(lp.token_id).encode()),
+                        "bytes": list(self.token_bytes(lp.token_id)),
                         "top_logprobs": [
                             {
                                 "token": self.decode_token(t),
                                 "logprob": v,
-                                "bytes": list(self.decode_token(t).encode()),
+                                "bytes": list(self.token_bytes(t)),
                             }
                             for t, v in lp.top
                         ],

@@ -335,7 +335,11 @@ class Router:
             self._refused("http", e)
             return _http_error(e)
         builder = openai_api.ResponseBuilder(
-            chat, engine_request.request_id, self.served_model_name, self._token_text
+            chat,
+            engine_request.request_id,
+            self.served_model_name,
+            self._token_text,
+            self.frontend.tokenizer.token_bytes,
         )
         outputs = self._outputs(engine_request, text, "http", started)
         try:

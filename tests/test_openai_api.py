@@ -90,7 +90,7 @@ def _outputs() -> list[RequestOutput]:
 
 
 def test_a_completion_object_carries_text_finish_reason_and_usage():
-    body = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>").complete(_outputs())
+    body = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes).complete(_outputs())
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["choices"][0]["logprobs"]["tokens"] == ["<7>", "<7>"]
@@ -102,8 +102,16 @@ def test_a_completion_object_carries_text_finish_reason_and_usage():
     }
 
 
+def test_chat_logprobs_carry_each_tokens_exact_bytes_not_its_replacement_character():
+    # Token 7 holds the first two bytes of "👩": its text alone is U+FFFD.
+    builder = ResponseBuilder(True, "r", "m", lambda t: "\ufffd", lambda t: b"\xf0\x9f")
+    content = builder.complete(_outputs())["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "\ufffd" and content[0]["bytes"] == [0xF0, 0x9F]
+    assert content[0]["top_logprobs"][0]["bytes"] == [0xF0, 0x9F]
+
+
 def test_chat_chunks_open_with_the_role_and_end_with_the_finish_reason():
-    builder = ResponseBuilder(True, "r", "m", str)
+    builder = ResponseBuilder(True, "r", "m", str, bytes)
     first, last = _outputs()
     events = [builder.chunk(first, first=True), builder.chunk(last), builder.usage_chunk(last)]
     bodies = [json.loads(e.removeprefix("data: ")) for e in events]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,21 @@ def _special_token_text(value: Any) -> str | None:
     return value
 
 
+@cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character byte-level BPE writes for each byte (GPT-2's scheme): printable
+    Latin-1 bytes stand for themselves, the other 68 take the code points from 256 up,
+    in byte order. Inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in chars)
+    chars.update({b: chr(256 + i) for i, b in enumerate(extra)})
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -30,6 +47,9 @@ class Tokenizer:
         if not path.is_file():
             raise ValueError(f"model: {model_dir} has no tokenizer.json")
         self.hf = HFTokenizer.from_file(str(path))
+        spec = json.loads(self.hf.to_str())
+        self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+        self._added = {t["id"] for t in spec.get("added_tokens", [])}
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.bos_token = _special_token_text(config.get("bos_token"))
@@ -62,6 +82,23 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, exact even where it holds only part of a UTF-8
+        character (then its decoded text is U+FFFD). Byte-level BPE vocabularies spell
+        bytes as characters; SentencePiece ones write "▁" for a space and <0xNN> for a
+        byte fallback."""
+        token = self.hf.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        if token_id in self._added:  # added tokens are kept as written
+            return token.encode()
+        if self._byte_level:
+            alphabet = _byte_level_alphabet()
+            return b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode() for c in token)
+        if m := _BYTE_FALLBACK.fullmatch(token):
+            return bytes([int(m.group(1), 16)])
+        return token.replace("\u2581", " ").encode()
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True

@@ -1,0 +1,35 @@
+"""workers/model/tokenizer.py: the bytes behind each token, for both vocabulary styles."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models
+
+from workers.model.tokenizer import Tokenizer
+
+
+@pytest.mark.parametrize("text", ["👩👩", " héllo wörld", "<|im_start|>user\n", "a\tb  c"])
+def test_byte_level_tokens_give_back_the_exact_bytes_of_the_text(smollm2_dir, text):
+    tok = Tokenizer(smollm2_dir)
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    if text == "👩👩":  # split inside the character: each piece alone is not UTF-8
+        assert len(pieces) > 2 and tok.decode(ids[:1]) == "\ufffd"
+
+
+def test_sentencepiece_style_tokens_map_the_space_mark_and_byte_fallbacks(tmp_path):
+    vocab = {"<unk>": 0, "▁hi": 1, "<0xF0>": 2, "<0x9F>": 3, "x": 4}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    assert [tok.token_bytes(i) for i in (1, 2, 3, 4)] == [b" hi", b"\xf0", b"\x9f", b"x"]
+
+
+def test_an_id_outside_the_vocabulary_is_a_value_error(smollm2_dir):
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        Tokenizer(smollm2_dir).token_bytes(10**7)
