@@ -187,13 +187,13 @@ class EngineServer:
                 async for out in self._recompute(request, e):
                     yield out
                 return
-            self._count_handoff(
-                result, received - sent, self.engine.stats().kv_import_s - imported_s
-            )
-            # The first output comes after the import: let go of the export now, so the
-            # prefill ranks free it (see kv_transport) rather than after the last token.
-            del result, response
             try:
+                self._count_handoff(
+                    result, received - sent, self.engine.stats().kv_import_s - imported_s
+                )
+                # The first output comes after the import: let go of the export now, so
+                # the prefill ranks free it (see kv_transport), not after the last token.
+                del result, response
                 yield first
                 async for out in stream:
                     yield out

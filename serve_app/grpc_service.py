@@ -24,15 +24,19 @@ FINISH_REASONS = {
 DEFAULT_MAX_TOKENS = 256
 
 
-def prompt_from_proto(which: str | None, request) -> PromptInput:
+def prompt_from_proto(request: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInput:
     """The prompt of a GenerateRequest (oneof prompt) or TokenizeRequest (oneof input)."""
+    oneofs = request.DESCRIPTOR.oneofs_by_name  # also holds proto3 optionals' synthetic ones
+    oneof = oneofs.get("prompt") or oneofs["input"]
+    which = request.WhichOneof(oneof.name)
     if which == "text":
         return PromptInput(text=request.text)
     if which == "chat":
         return PromptInput(messages=tuple((m.role, m.content) for m in request.chat.messages))
     if which == "token_ids":
         return PromptInput(token_ids=tuple(request.token_ids.ids))
-    raise ValueError("prompt: set one of text, chat or token_ids")
+    choices = ", ".join(f.name for f in oneof.fields)
+    raise ValueError(f"{oneof.name}: set one of {choices}")
 
 
 def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:

@@ -116,7 +116,8 @@ class ReplicaMetrics:
         self.hit_rate.set(stats.prefix_cache_hit_rate, self._tags)
 
     def handoff(self, num_bytes: int, seconds: float) -> None:
-        self.handoff_bytes.inc(num_bytes, self._tags)
+        if num_bytes:  # none when decode held every block; Ray's Counter refuses inc(0)
+            self.handoff_bytes.inc(num_bytes, self._tags)
         self.handoff_seconds.observe(seconds, self._tags)
 
     def recompute(self, num_tokens: int) -> None:

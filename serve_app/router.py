@@ -189,7 +189,7 @@ class Router:
     async def _proto_outputs(self, request: pb.GenerateRequest) -> AsyncIterator[RequestOutput]:
         started = time.perf_counter()
         try:
-            prompt = prompt_from_proto(request.WhichOneof("prompt"), request)
+            prompt = prompt_from_proto(request)
             ids = self.frontend.tokenize(prompt)
             params = params_from_proto(request)
             engine_request, text = await self._engine_request(
@@ -227,7 +227,7 @@ class Router:
         self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
     ) -> pb.TokenizeResponse:
         try:
-            ids = self.frontend.tokenize(prompt_from_proto(request.WhichOneof("input"), request))
+            ids = self.frontend.tokenize(prompt_from_proto(request))
         except Exception as e:
             _set_status(grpc_context, e)
             raise

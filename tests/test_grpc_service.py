@@ -43,11 +43,14 @@ def test_each_prompt_kind_converts_and_a_missing_prompt_is_refused():
     req = pb.GenerateRequest(
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
     )
-    assert prompt_from_proto("chat", req).messages == (("user", "hi"),)
+    assert prompt_from_proto(req).messages == (("user", "hi"),)
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]))
-    assert prompt_from_proto("token_ids", req).token_ids == (1, 2)
-    with pytest.raises(ValueError, match="prompt"):
-        prompt_from_proto(None, pb.GenerateRequest())
+    assert prompt_from_proto(req).token_ids == (1, 2)
+    with pytest.raises(ValueError, match="^prompt: set one of text, chat, token_ids$"):
+        prompt_from_proto(pb.GenerateRequest())
+    # Named after the request's own oneof.
+    with pytest.raises(ValueError, match="^input: set one of text, chat"):
+        prompt_from_proto(pb.TokenizeRequest())
 
 
 def test_outputs_merge_into_one_response_with_usage_at_the_end():

@@ -111,6 +111,10 @@ def test_a_shared_prefix_is_imported_once(model_dir):
     assert _tokens_of(_handoff(prefill, decode, "w", whole)) == _tokens_of(_single(cold, whole))
     assert prefill.stats().kv_blocks_exported == 4 + 2
     assert decode.stats().kv_blocks_reused_for_import == 3 + 3
+    # Decode's own prefix cache answered each import: its hit rate says how well.
+    stats = decode.stats()
+    queried = len(a) + len(b) + len(whole)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (queried, 6 * BLOCK)
     _assert_all_free(prefill, decode)
 
 

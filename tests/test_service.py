@@ -228,6 +228,10 @@ def test_a_prefix_decode_holds_is_not_transferred_again(disagg):
     assert cold == -(-num_tokens // 16)  # every block of the prompt, partial one included
     assert warm == cold - full_blocks  # decode's own prefix cache covered the full blocks
     assert after["num_bytes"] - middle["num_bytes"] < middle["num_bytes"] - before["num_bytes"]
+    # A prompt of whole blocks, every one already held by decode: an empty handoff.
+    whole_blocks = disagg.tokenize(prompt)[: 2 * 16]
+    assert disagg.generate_unary(_greedy(whole_blocks, max_tokens=4)).usage.completion_tokens
+    assert _decode_stats()["handoff"]["blocks_received"] == after["blocks_received"]
 
 
 def test_exports_free_at_import_and_cancels_and_deadlines_free_the_blocks(service, disagg):

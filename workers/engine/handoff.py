@@ -222,6 +222,8 @@ class KVImports:
                 len(cached),
             )
         self.kv.attach(seq, cached)
+        # Its hit rate then tells how much of the handed-over prompts decode already held.
+        self.scheduler.count_prefix_lookup(seq.num_prompt_tokens, len(cached) * bs)
         seq.num_cached_tokens = handle.num_cached_tokens
         self.num_blocks_reused += len(cached)
         self.pending.append(_Pending(seq, handle, parts, len(cached)))

@@ -129,11 +129,17 @@ class Scheduler:
             self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def count_prefix_lookup(self, num_tokens: int, num_hits: int) -> None:
+        """A lookup of `num_tokens` tokens in the prefix cache found `num_hits` of them
+        (admission here, or a KV import: each asks this engine's cache)."""
+        if self.kv.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hits
+
     def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:
         if not self.kv.enable_prefix_caching:
             return
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += cached
+        self.count_prefix_lookup(seq.num_tokens, cached)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = cached
 
