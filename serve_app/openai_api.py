@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP surface's translations: request bodies -> engine types, engine
 outputs -> completion objects and SSE chunks.
 
-Fields the engine cannot honour are refused when set to anything but their neutral
-value (n > 1, penalties, echo...), rather than silently ignored; fields OpenAI clients
-send that do not change the output (user, metadata...) are accepted and ignored.
+Fields the engine cannot honour are refused when set to anything but their neutral value
+(`UNSUPPORTED`), rather than silently ignored; fields OpenAI clients send that do not change
+the output (user, metadata...) are accepted and ignored. JSON null means "the default" for
+every optional field, as in vLLM and SGLang. Every refusal is a `RequestFieldError`, whose
+`param` is the field at fault (the OpenAI error body's `param`).
 """
 
 from __future__ import annotations
@@ -13,29 +15,93 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_app.prompts import PromptInput
 from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import SamplingParams, TokenLogprob
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
+_STRUCTURED = "structured output is not supported"
+_TOOLS = "tool calling is not supported"
+_PENALTIES = "penalties are not implemented"
+# Fields the engine cannot honour: (the values that ask for nothing, why). Absent or null
+# is always accepted; anything else is refused, for a client that sets one expects its
+# effect. parallel_tool_calls is not here: it only matters with tools, which are refused.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "one choice per request"),
+    "best_of": ((1,), "one candidate per request"),
+    "echo": ((False,), "the prompt is not echoed back"),
+    "suffix": (("",), "insertion (suffix) is not supported"),
+    "presence_penalty": ((0,), _PENALTIES),
+    "frequency_penalty": ((0,), _PENALTIES),
+    "repetition_penalty": ((1,), _PENALTIES),
+    "min_p": ((0,), "min-p sampling is not implemented"),
+    "min_tokens": ((0,), "a minimum output length is not implemented"),
+    "logit_bias": (({},), "logit bias is not implemented"),
+    "tools": (([],), _TOOLS),
+    "tool_choice": (("none",), _TOOLS),
+    "functions": (([],), _TOOLS),  # the deprecated form of tools
+    "function_call": (("none",), _TOOLS),
+    "response_format": (({"type": "text"},), _STRUCTURED),
+    # vLLM's structured-output extensions: no neutral value.
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "structured_outputs": ((), _STRUCTURED),
+}
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
 
+class RequestFieldError(ValueError):
+    """A bad request; `param` names the field at fault (None: the body as a whole)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    for name, (neutral, why) in UNSUPPORTED.items():
+        value = body.get(name)
+        # True == 1 in Python; a boolean is never an accepted number here.
+        if value is None or any(
+            value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral
+        ):
+            continue
+        accepted = " or ".join(json.dumps(v) for v in neutral)
+        allowed = f"accepted: {accepted} (or absent)" if accepted else "leave it out"
+        got = json.dumps(value, default=repr)
+        got = got if len(got) <= 80 else got[:77] + "..."
+        raise RequestFieldError(name, f"{name}: {why}; {allowed}, got {got}")
+
+
+class _Body(BaseModel):
+    # Strict: true is not 1, "5" is not 5. Non-finite floats mean nothing to the sampler.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Request(_Body):
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     # Extensions (as vLLM names them).
     top_k: int = 0
     ignore_eos: bool = False
@@ -43,48 +109,61 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
 
-    def check_supported(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported; leave it at 0")
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _check_unsupported(data)
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _Request:
+        if self.stream_options is not None and not self.stream:
+            raise RequestFieldError(
+                "stream_options", "stream_options: only allowed when stream is true"
+            )
+        return self
 
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            stop_token_ids=tuple(self.stop_token_ids),
-            stop=tuple(stop),
-            logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.seed,
+                ignore_eos=self.ignore_eos,
+                stop_token_ids=tuple(self.stop_token_ids),
+                stop=tuple(stop),
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            # The engine's ranges are the ones that count; its messages open with the
+            # field's name, which is the request's too (chat's top_logprobs and
+            # max_completion_tokens, named otherwise there, are checked before this).
+            name = str(e).split(" ", 1)[0]
+            raise RequestFieldError(
+                name if name in type(self).model_fields else None, str(e)
+            ) from None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
 
     def prompt_input(self) -> PromptInput:
-        self.check_supported()
-        if self.echo or self.suffix or (self.best_of or 1) != 1:
-            raise ValueError("echo, suffix and best_of are not supported")
         if isinstance(self.prompt, str):
             return PromptInput(text=self.prompt)
         if self.prompt and all(isinstance(p, str) for p in self.prompt):
             if len(self.prompt) != 1:
-                raise ValueError("prompt: send one prompt per request (a list of one string)")
+                raise RequestFieldError(
+                    "prompt", "prompt: send one prompt per request (a list of one string)"
+                )
             return PromptInput(text=self.prompt[0])
         return PromptInput(token_ids=tuple(self.prompt))
 
@@ -97,9 +176,7 @@ class CompletionRequest(_Request):
         return self._params(max_tokens, self.logprobs)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -107,38 +184,72 @@ class ChatMessage(BaseModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
-        for part in self.content:
+        for j, part in enumerate(self.content):
+            where = f"messages.{index}.content.{j}"
             if part.get("type") != "text":
-                raise ValueError(f"messages[{index}].content: only text parts are supported")
-            parts.append(part.get("text", ""))
+                raise RequestFieldError(where, f"{where}: only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise RequestFieldError(f"{where}.text", f"{where}.text: must be a string")
+            parts.append(part["text"])
         return "".join(parts)
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise RequestFieldError("top_logprobs", "top_logprobs: requires logprobs: true")
+        return self
 
     def prompt_input(self) -> PromptInput:
-        self.check_supported()
         return PromptInput(messages=tuple((m.role, m.text(i)) for i, m in enumerate(self.messages)))
 
     def sampling_params(self, room: int) -> SamplingParams:
-        """`room`: tokens the context has left after the prompt, the default budget."""
-        max_tokens = self.max_completion_tokens or self.max_tokens or max(room, 1)
+        """`room`: tokens the context has left after the prompt, the default budget.
+        max_completion_tokens wins over max_tokens, which OpenAI deprecates in its favour."""
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = max(room, 1)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs)
 
 
+_FIELDS = {
+    name
+    for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions)
+    for name in m.model_fields
+}
+# What a union field takes, said once (pydantic would name one alternative's error).
+_UNION_TYPES = {
+    "stop": "a string or an array of strings",
+    "prompt": "a string, an array of one string or an array of token ids",
+    "content": "a string or an array of text parts",
+}
+
+
 def parse(model: type[_Request], body: Any) -> _Request:
-    """A request model from a JSON body; ValueError naming the first bad field."""
+    """A request model from a JSON body; RequestFieldError naming the first bad field."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "body"
-        raise ValueError(f"{field}: {err['msg']}") from None
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, RequestFieldError):
+            raise cause from None
+        # The location, less pydantic's union-branch tags ("str", "list[str]"...).
+        path = [p for p in err["loc"] if isinstance(p, int) or p in _FIELDS]
+        message = "must be a JSON object" if err["type"] == "model_type" else err["msg"]
+        if path and len(path) < len(err["loc"]) and path[-1] in _UNION_TYPES:
+            message = f"must be {_UNION_TYPES[path[-1]]}"
+        param = ".".join(str(p) for p in path) or None
+        raise RequestFieldError(param, f"{param or 'body'}: {message}") from None
 
 
 def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app import openai_api
 from serve_app.config import AppConfig
-from serve_app.errors import public_error
+from serve_app.errors import public_error, root_cause
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.grpc_service import (
     params_from_proto,
@@ -58,7 +58,9 @@ http_app = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton 
 def _http_error(exc: BaseException) -> JSONResponse:
     kind, message = public_error(exc)
     status = _HTTP_STATUS.get(kind, 500)
-    return JSONResponse(openai_api.error_body(message, _HTTP_ERROR_TYPE.get(kind, kind)), status)
+    param = getattr(root_cause(exc), "param", None)  # an openai_api.RequestFieldError's field
+    body = openai_api.error_body(message, _HTTP_ERROR_TYPE.get(kind, kind), param)
+    return JSONResponse(body, status)
 
 
 async def _sse(
@@ -75,7 +77,9 @@ async def _sse(
             yield builder.chunk(out)
     except Exception as e:  # mid-stream: the status line is sent, so an error event
         kind, message = public_error(e)
-        yield f"data: {json.dumps(openai_api.error_body(message, kind))}\n\n"
+        body = openai_api.error_body(message, _HTTP_ERROR_TYPE.get(kind, kind))
+        yield f"data: {json.dumps(body)}\n\n"
+        yield openai_api.DONE_EVENT  # the stream ends as every stream does (vLLM does too)
         return
     if include_usage:
         yield builder.usage_chunk(last)

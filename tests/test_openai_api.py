@@ -8,14 +8,27 @@ import pytest
 
 from serve_app.openai_api import (
     DEFAULT_COMPLETION_MAX_TOKENS,
+    UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
+    RequestFieldError,
     ResponseBuilder,
+    error_body,
     parse,
 )
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason
+
+MESSAGES = [{"role": "user", "content": "a"}]
+
+
+def _chat(**fields):
+    return {"model": "m", "messages": MESSAGES, **fields}
+
+
+def _completion(**fields):
+    return {"model": "m", "prompt": "x", **fields}
 
 
 def test_completion_defaults_and_fields():
@@ -30,6 +43,13 @@ def test_completion_defaults_and_fields():
     assert req.prompt_input().token_ids == (1, 2)
     params = req.sampling_params(room=1000)
     assert (params.max_tokens, params.stop, params.seed, params.top_k) == (5, ("\n",), 4, 3)
+    extensions = {"ignore_eos": True, "stop_token_ids": [7], "skip_special_tokens": False}
+    params = parse(CompletionRequest, _completion(**extensions)).sampling_params(room=1000)
+    assert (params.ignore_eos, params.stop_token_ids, params.skip_special_tokens) == (
+        True,
+        (7,),
+        False,
+    )
 
 
 def test_chat_defaults_to_the_room_the_context_leaves():
@@ -41,44 +61,207 @@ def test_chat_defaults_to_the_room_the_context_leaves():
     assert req.sampling_params(room=77).max_tokens == 77
     req = parse(
         ChatCompletionRequest,
-        {
-            "model": "m",
-            "messages": [{"role": "user", "content": "a"}],
-            "max_completion_tokens": 9,
-            "logprobs": True,
-            "top_logprobs": 2,
-        },
+        _chat(max_completion_tokens=9, logprobs=True, top_logprobs=2),
     )
     params = req.sampling_params(room=77)
     assert (params.max_tokens, params.logprobs) == (9, 2)
 
 
 @pytest.mark.parametrize(
-    ("model", "body", "named"),
+    ("fields", "expected"),
     [
-        (CompletionRequest, {"prompt": "x"}, "model"),
-        (CompletionRequest, {"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
-        (ChatCompletionRequest, {"model": "m", "messages": [{"role": "robot"}]}, "messages.0.role"),
+        ({"max_completion_tokens": 7, "max_tokens": 5}, 7),
+        ({"max_completion_tokens": None, "max_tokens": 5}, 5),
+        ({"max_tokens": 5}, 5),
     ],
 )
-def test_schema_errors_name_the_field(model, body, named):
-    with pytest.raises(ValueError, match=named):
-        parse(model, body)
+def test_chat_max_completion_tokens_wins_over_the_deprecated_max_tokens(fields, expected):
+    req = parse(ChatCompletionRequest, _chat(**fields))
+    assert req.sampling_params(room=77).max_tokens == expected
+
+
+def test_null_means_the_default_for_every_optional_field():
+    common = dict.fromkeys(
+        ["max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed"]
+        + ["presence_penalty", "frequency_penalty", "user", "top_k", "ignore_eos", "cache_salt"]
+        + ["stop_token_ids", "skip_special_tokens", "logprobs", "logit_bias", "min_p"]
+    )
+    chat_only = dict.fromkeys(
+        ["max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format"]
+    )
+    nulls = {"role": "user", "content": None, "name": None}
+    chat = parse(ChatCompletionRequest, {**_chat(), **common, **chat_only, "messages": [nulls]})
+    assert chat.prompt_input().messages == (("user", ""),)
+    assert chat.sampling_params(room=50) == parse(ChatCompletionRequest, _chat()).sampling_params(
+        room=50
+    )
+    assert not chat.stream and not chat.include_usage()
+    completion_only = dict.fromkeys(["echo", "suffix", "best_of"])
+    req = parse(CompletionRequest, {**_completion(), **common, **completion_only})
+    default = parse(CompletionRequest, _completion())
+    assert req.sampling_params(room=50) == default.sampling_params(room=50)
 
 
 @pytest.mark.parametrize(
-    ("body", "named"),
+    ("model", "body", "param", "says"),
     [
-        ({"n": 2}, "n must be 1"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"echo": True}, "echo"),
-        ({"prompt": ["a", "b"]}, "one prompt"),
+        (CompletionRequest, {"prompt": "x"}, "model", "required"),
+        (CompletionRequest, _completion(temperature="hot"), "temperature", "number"),
+        (ChatCompletionRequest, _chat(messages=[{"role": "robot"}]), "messages.0.role", "user"),
+        (CompletionRequest, [1], None, "body: must be a JSON object"),
+        # 0 is no budget, not "unlimited", on both endpoints.
+        (ChatCompletionRequest, _chat(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+        (
+            ChatCompletionRequest,
+            _chat(max_completion_tokens=0),
+            "max_completion_tokens",
+            "or equal to 1",
+        ),
+        (CompletionRequest, _completion(max_tokens=0), "max_tokens", "greater than or equal"),
+        # A boolean is not a number, and a number must be finite.
+        (CompletionRequest, _completion(max_tokens=True), "max_tokens", "valid integer"),
+        (CompletionRequest, _completion(seed=True), "seed", "valid integer"),
+        (CompletionRequest, _completion(logprobs=True), "logprobs", "valid integer"),
+        (CompletionRequest, _completion(stop_token_ids=[True]), "stop_token_ids.0", "integer"),
+        (CompletionRequest, _completion(temperature=True), "temperature", "valid number"),
+        (CompletionRequest, _completion(temperature=float("inf")), "temperature", "finite"),
+        (CompletionRequest, _completion(top_p=float("nan")), "top_p", "finite"),
+        (ChatCompletionRequest, _chat(logprobs=1), "logprobs", "valid boolean"),
+        (CompletionRequest, _completion(stream=1), "stream", "valid boolean"),
+        # Unions are named as a whole, not by pydantic's first branch.
+        (CompletionRequest, _completion(stop=[1]), "stop", "a string or an array of strings"),
+        (CompletionRequest, _completion(prompt=5), "prompt", "an array of token ids"),
+        (
+            ChatCompletionRequest,
+            _chat(messages=[{"role": "user", "content": 5}]),
+            "messages.0.content",
+            "a string or an array of text parts",
+        ),
+        (CompletionRequest, _completion(stream=True, stream_options=5), "stream_options", "JSON"),
+        (ChatCompletionRequest, _chat(top_logprobs=21, logprobs=True), "top_logprobs", "20"),
     ],
 )
-def test_unsupported_settings_are_refused_not_ignored(body, named):
-    req = parse(CompletionRequest, {"model": "m", "prompt": "x", **body})
-    with pytest.raises(ValueError, match=named):
+def test_schema_errors_name_the_field_in_the_message_and_the_param(model, body, param, says):
+    with pytest.raises(RequestFieldError) as err:
+        parse(model, body)
+    assert err.value.param == param
+    assert str(err.value).startswith(f"{param or 'body'}: ")
+    assert says in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("model", "field", "value", "accepted"),
+    [
+        (CompletionRequest, "n", 2, "accepted: 1"),
+        (CompletionRequest, "n", True, "accepted: 1"),
+        (CompletionRequest, "best_of", 3, "accepted: 1"),
+        (CompletionRequest, "echo", True, "accepted: false"),
+        (CompletionRequest, "suffix", "end", 'accepted: ""'),
+        (CompletionRequest, "presence_penalty", 0.5, "accepted: 0"),
+        (ChatCompletionRequest, "frequency_penalty", float("inf"), "accepted: 0"),
+        (ChatCompletionRequest, "repetition_penalty", 1.1, "accepted: 1"),
+        (CompletionRequest, "min_p", 0.05, "accepted: 0"),
+        (ChatCompletionRequest, "min_tokens", 4, "accepted: 0"),
+        (ChatCompletionRequest, "logit_bias", {"50256": -100}, "accepted: {}"),
+        (ChatCompletionRequest, "tools", [{"type": "function"}], "accepted: []"),
+        (ChatCompletionRequest, "tool_choice", "auto", 'accepted: "none"'),
+        (ChatCompletionRequest, "tool_choice", "required", 'accepted: "none"'),
+        (ChatCompletionRequest, "functions", [{"name": "f"}], "accepted: []"),
+        (ChatCompletionRequest, "function_call", "auto", 'accepted: "none"'),
+        (
+            ChatCompletionRequest,
+            "response_format",
+            {"type": "json_object"},
+            'accepted: {"type": "text"}',
+        ),
+        (ChatCompletionRequest, "guided_json", {"type": "object"}, "leave it out"),
+    ],
+)
+def test_unsupported_settings_are_refused_not_ignored(model, field, value, accepted):
+    body = (_chat if model is ChatCompletionRequest else _completion)(**{field: value})
+    with pytest.raises(RequestFieldError) as err:
+        parse(model, body)
+    assert err.value.param == field
+    assert str(err.value).startswith(f"{field}: ") and accepted in str(err.value)
+
+
+@pytest.mark.parametrize("field", sorted(UNSUPPORTED))
+def test_the_neutral_values_of_unsupported_fields_are_accepted(field):
+    for value in UNSUPPORTED[field][0]:
+        parse(ChatCompletionRequest, _chat(**{field: value}))
+        parse(CompletionRequest, _completion(**{field: value}))
+
+
+def test_parallel_tool_calls_are_accepted_as_tools_are_refused_anyway():
+    parse(ChatCompletionRequest, _chat(parallel_tool_calls=True, tools=[], tool_choice="none"))
+    with pytest.raises(RequestFieldError) as err:
+        parse(ChatCompletionRequest, _chat(parallel_tool_calls=True, tools=[{"type": "function"}]))
+    assert err.value.param == "tools"
+
+
+def test_top_logprobs_need_logprobs():
+    with pytest.raises(RequestFieldError, match="top_logprobs: requires logprobs: true") as err:
+        parse(ChatCompletionRequest, _chat(top_logprobs=2))
+    assert err.value.param == "top_logprobs"
+    assert parse(ChatCompletionRequest, _chat(top_logprobs=0)).sampling_params(5).logprobs is None
+    req = parse(ChatCompletionRequest, _chat(logprobs=True))
+    assert req.sampling_params(room=5).logprobs == 0
+
+
+def test_stream_options_need_a_stream():
+    for stream in ({}, {"stream": False}):
+        with pytest.raises(RequestFieldError, match="only allowed when stream is true") as err:
+            parse(CompletionRequest, _completion(**stream, stream_options={"include_usage": True}))
+        assert err.value.param == "stream_options"
+    req = parse(ChatCompletionRequest, _chat(stream=True, stream_options={"include_usage": True}))
+    assert req.include_usage()
+    assert not parse(ChatCompletionRequest, _chat(stream=True)).include_usage()
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"top_p": 2}, "top_p", "(0, 1]"),
+        ({"temperature": -1}, "temperature", ">= 0"),
+        ({"top_k": -1}, "top_k", ">= 0"),
+        ({"seed": -1}, "seed", "[0, 2**63)"),
+        ({"stop": [""]}, "stop", "non-empty"),
+        ({"logprobs": 21}, "logprobs", "[0, 20]"),
+    ],
+)
+def test_the_engines_range_errors_name_the_field(fields, param, says):
+    req = parse(CompletionRequest, _completion(**fields))
+    with pytest.raises(RequestFieldError) as err:
+        req.sampling_params(room=100)
+    assert err.value.param == param and says in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "param"),
+    [
+        ([{"type": "image_url", "image_url": {"url": "x"}}], "messages.0.content.0"),
+        ([{"type": "text", "text": None}], "messages.0.content.0.text"),
+    ],
+)
+def test_chat_content_parts_must_be_text(content, param):
+    req = parse(ChatCompletionRequest, _chat(messages=[{"role": "user", "content": content}]))
+    with pytest.raises(RequestFieldError) as err:
         req.prompt_input()
+    assert err.value.param == param and str(err.value).startswith(f"{param}: ")
+
+
+def test_one_prompt_per_request():
+    req = parse(CompletionRequest, _completion(prompt=["a", "b"]))
+    with pytest.raises(RequestFieldError, match="one prompt per request") as err:
+        req.prompt_input()
+    assert err.value.param == "prompt"
+
+
+def test_an_error_body_carries_the_field_as_its_param():
+    with pytest.raises(RequestFieldError) as err:
+        parse(ChatCompletionRequest, _chat(tools=[{"type": "function"}]))
+    body = error_body(str(err.value), "invalid_request_error", err.value.param)
+    assert body["error"]["param"] == "tools" and body["error"]["message"].startswith("tools: ")
 
 
 def _outputs() -> list[RequestOutput]:
