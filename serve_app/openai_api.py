@@ -216,7 +216,11 @@ class ChatCompletionRequest(_Request):
         if max_tokens is None:
             max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = max(room, 1)
+            if room < 1:  # else the engine's refusal would blame a max_tokens never sent
+                raise RequestFieldError(
+                    "messages", "messages: the prompt fills the model's whole context; shorten it"
+                )
+            max_tokens = room
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs)
 

@@ -80,6 +80,14 @@ def test_chat_max_completion_tokens_wins_over_the_deprecated_max_tokens(fields, 
     assert req.sampling_params(room=77).max_tokens == expected
 
 
+def test_a_chat_prompt_that_fills_the_context_is_blamed_not_an_unsent_max_tokens():
+    with pytest.raises(RequestFieldError, match="^messages: the prompt fills") as refused:
+        parse(ChatCompletionRequest, _chat()).sampling_params(room=0)
+    assert refused.value.param == "messages"
+    # With a budget of its own, the engine's check names the prompt and that budget.
+    assert parse(ChatCompletionRequest, _chat(max_tokens=5)).sampling_params(0).max_tokens == 5
+
+
 def test_null_means_the_default_for_every_optional_field():
     common = dict.fromkeys(
         ["max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed"]
