@@ -59,7 +59,8 @@ def test_tp_decode_ranks_pull_the_handoff_the_export_is_freed_at_import_a_cancel
     async def main():
         tp2 = {"tensor_parallel_size": 2}
         prefill = AsyncEngine(_engine(model_dir, kv_transport="nixl", **tp2))
-        decode = AsyncEngine(_engine(model_dir, **tp2))
+        # A pull budget of one byte: one pull at a time (each is admitted alone).
+        decode = AsyncEngine(_engine(model_dir, **tp2), max_pulled_kv_bytes=1)
         try:
             got = []
             for i, prompt in enumerate(prompts[:2]):
@@ -72,6 +73,17 @@ def test_tp_decode_ranks_pull_the_handoff_the_export_is_freed_at_import_a_cancel
                 # The prefill ranks free their slices now, not when the request ends.
                 await _until(lambda: prefill.engine.live_kv_exports() == (0, 0), "the free")
                 got.append(first.new_token_ids + [t async for o in stream for t in o.new_token_ids])
+            # Two at once: the second pull waits for the first one's import.
+            exports = [await handoff(prefill, f"s{i}", p) for i, p in enumerate(prompts[:2])]
+
+            async def decode_one(i: int) -> list[int]:
+                stream = decode.generate_prefilled(f"s{i}", prompts[i], GREEDY, *exports[i])
+                return [t async for o in stream for t in o.new_token_ids]
+
+            both = asyncio.gather(decode_one(0), decode_one(1))
+            await _until(lambda: decode.pull_budget.num_waiting == 1, "the second pull to wait")
+            assert await both == got
+            assert decode.pull_budget.used == 0
             # Cancelled while its ranks may still be pulling: what they stage is dropped.
             handle, parts = await handoff(prefill, "c", prompts[2])
 
@@ -87,9 +99,10 @@ def test_tp_decode_ranks_pull_the_handoff_the_export_is_freed_at_import_a_cancel
             # The pull goes on after the cancel (it is not interruptible); each rank
             # then holds nothing.
             await _until(
-                lambda: pulled_and_staged(decode) == [(3, 0), (3, 0)],
+                lambda: pulled_and_staged(decode) == [(5, 0), (5, 0)],
                 "the cancelled request's pull to finish and be dropped",
             )
+            assert decode.pull_budget.used == 0
             return got
         finally:
             await prefill.shutdown()

@@ -19,6 +19,7 @@ from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineDeadError, dead_error
 from workers.engine.kv_transport import KVPart
 from workers.engine.outputs import RequestOutput
+from workers.engine.pull_budget import PullBudget
 from workers.engine.sequence import FinishReason
 
 
@@ -101,18 +102,26 @@ async def next_output(
     return (batch[0] if len(batch) == 1 else merge_outputs(batch)), error
 
 
-async def pull_kv(engine: LLMEngine, kv_parts: list[KVPart]) -> list[KVPart]:
+async def pull_kv(
+    engine: LLMEngine, budget: PullBudget, kv_parts: list[KVPart]
+) -> tuple[list[KVPart], int]:
     """A handoff's parts moved to this engine's ranks (`LLMEngine.prefetch_kv`) on a worker
-    thread: the transfer never stalls other requests' steps, and one that fails (its
-    exporter died) fails this request before it reaches the engine. Cancelled, the pull
-    still finishes in its thread, and what it staged is freed then."""
+    thread, once `budget` grants their size: the transfer never stalls other requests'
+    steps, and one that fails (its exporter died) fails this request before it reaches the
+    engine. Returns the parts to add and the bytes granted, for the caller to release at
+    the import. Cancelled, the pull still finishes in its thread and what it staged is
+    freed then (briefly beyond the budget, which is released at once: never a leak)."""
+    nbytes = sum(p.nbytes for p in kv_parts)
+    await budget.acquire(nbytes)
     pulling = asyncio.ensure_future(asyncio.to_thread(engine.prefetch_kv, kv_parts))
     try:
         await asyncio.shield(pulling)
-    except asyncio.CancelledError:
-        pulling.add_done_callback(lambda f: _release_pulled(engine, f))
+    except BaseException as e:
+        budget.release(nbytes)
+        if isinstance(e, asyncio.CancelledError):
+            pulling.add_done_callback(lambda f: _release_pulled(engine, f))
         raise
-    return pulling.result()
+    return pulling.result(), nbytes
 
 
 def _release_pulled(engine: LLMEngine, pulling: asyncio.Future) -> None:

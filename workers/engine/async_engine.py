@@ -45,6 +45,7 @@ from workers.engine.errors import EngineDeadError, EngineOverloadedError
 from workers.engine.kv_transfer import KVHandle
 from workers.engine.kv_transport import KVPart, KVRef
 from workers.engine.outputs import EngineStats, RequestOutput
+from workers.engine.pull_budget import PullBudget
 from workers.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,12 +65,15 @@ class AsyncEngine:
         *,
         max_pending_requests: int | None = DEFAULT_MAX_PENDING_REQUESTS,
         stream_interval: int = 1,
+        max_pulled_kv_bytes: int | None = None,
     ):
         """Starts the engine thread. `max_pending_requests` bounds the requests accepted but
         not yet running (None: unbounded); beyond it generate() raises EngineOverloadedError.
         `stream_interval`: past its first output, a stream yields once it holds that many new
         tokens (or the request ended), merged: fewer messages for a serving path that pays
-        per message (Ray Serve's hops), at the cost of smoothness.
+        per message (Ray Serve's hops), at the cost of smoothness. `max_pulled_kv_bytes`:
+        handoff KV pulled and waiting for its import, at most (see pull_budget.py); None:
+        as much as this engine's KV cache holds.
         """
         if max_pending_requests is not None and max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
@@ -78,6 +82,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_pending_requests = max_pending_requests
         self.stream_interval = stream_interval
+        self.pull_budget = PullBudget(max_pulled_kv_bytes or engine.kv_cache_bytes)
         self._cond = threading.Condition()
         # Everything below is guarded by _cond.
         self._commands: list[Add | Abort | Call] = []
@@ -145,10 +150,11 @@ class AsyncEngine:
         """Like generate(), for a request another engine prefilled (LLMEngine
         .add_prefilled_request); its first output repeats the handed-over token."""
         prompt = list(prompt_token_ids)
+        pulled = 0  # bytes of the pull budget this request holds until its import
         if any(isinstance(p, KVRef) for p in kv_parts):
             with self._cond:
                 self._check_room()  # a request refused anyway should not pay the transfer
-            kv_parts = await pull_kv(self.engine, kv_parts)
+            kv_parts, pulled = await pull_kv(self.engine, self.pull_budget, kv_parts)
         # The engine takes the parts at submit and drops them once imported. Nothing here
         # may hold them longer: a reference kept for the whole request would keep the
         # export alive in the prefill ranks' memory (and pulled data in this one) until
@@ -163,12 +169,17 @@ class AsyncEngine:
         stream = self._stream(request_id, len(prompt), submit)
         try:
             async for out in stream:
+                if pulled:  # the first output comes after the import: the KV is in blocks
+                    self.pull_budget.release(pulled)
+                    pulled = 0
                 yield out
         except (EngineOverloadedError, EngineDeadError):
             if unsent:  # refused before reaching the engine (which frees what it is given)
                 self.engine.release_prefetched_kv(unsent.pop())
             raise
         finally:
+            if pulled:
+                self.pull_budget.release(pulled)
             await stream.aclose()  # now, not at garbage collection: it aborts the request
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:

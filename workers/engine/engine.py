@@ -73,9 +73,9 @@ class LLMEngine:
         )
         dtype = config.resolved_dtype()
         # The budget is per device: each rank holds its KV heads' slice of every block.
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
-            self.model_config, config.block_size, dtype, tp
-        )
+        per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, dtype, tp)
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // per_block
+        self.kv_cache_bytes = num_blocks * per_block * tp  # all ranks together
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
