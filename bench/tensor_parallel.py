@@ -1,8 +1,9 @@
 """Tensor parallelism on this machine: decode step and prefill time at tp=1 and tp=3,
 the all-reduce cost per decode step, and what importing a 512-token KV handoff from a
-tp=1 prefill costs a tp=3 decode group: over nixl each rank pulls its part on its own
-transfer thread (off the step) and the step only writes what is staged; over the
-object store the engine process cuts each rank's share and sends it with the call.
+tp=1 prefill costs a tp=3 decode group: over nixl each rank pulls on its own transfer
+thread (off the step), the whole part or, cut for the group, its own KV head, and the
+step only writes what is staged; over the object store the engine process cuts each
+rank's share and sends it with the call.
 
 tp=1 is the in-process runner with --threads torch threads (a lone engine);
 tp=3 is a Ray worker group with one thread per rank. On a 2-core machine three
@@ -67,13 +68,16 @@ def handoff_import_s(exporter: ModelRunner, group: TPWorkerGroup, rounds: int = 
     blocks = list(range(PREFILL_LEN // BLOCK))
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
-        parts = exporter.export_blocks(blocks, 0, "nixl")
-        start = time.perf_counter()
-        group.prefetch(parts)
-        pulled = time.perf_counter()
-        group.import_blocks(blocks, parts, 0)
-        times.setdefault("pull.nixl", []).append(pulled - start)
-        times.setdefault("import.nixl", []).append(time.perf_counter() - pulled)
+        # Whole (every rank fetches the one part) and cut for the group's three ranks
+        # (each fetches its own KV head), as a decode replica asks for.
+        for name, dst_tp in (("nixl", None), ("nixl_cut", group.tp_size)):
+            parts = exporter.export_blocks(blocks, 0, "nixl", dst_tp)
+            start = time.perf_counter()
+            group.prefetch(parts)
+            pulled = time.perf_counter()
+            group.import_blocks(blocks, parts, 0)
+            times.setdefault(f"pull.{name}", []).append(pulled - start)
+            times.setdefault(f"import.{name}", []).append(time.perf_counter() - pulled)
         parts = exporter.export_blocks(blocks, 0, "object_store")
         start = time.perf_counter()
         group.import_blocks(blocks, parts, 0)

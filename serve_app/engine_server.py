@@ -114,9 +114,13 @@ class EngineServer:
         async for out in stream:
             yield out
 
-    async def prefill(self, request: EngineRequest, skip_blocks: int) -> PrefillResult:
+    async def prefill(
+        self, request: EngineRequest, skip_blocks: int, dst_tp: int | None = None
+    ) -> PrefillResult:
         """Prefills the prompt and returns the first token with the blocks from
-        `skip_blocks` on; the blocks are released here once copied out."""
+        `skip_blocks` on, cut for a decode replica of TP degree `dst_tp` (each of its
+        ranks then fetches only its KV heads); the blocks are released here once copied
+        out."""
         if self.role != "prefill":
             raise ValueError(f"a {self.role} replica does not run prefill()")
         rid = request.request_id
@@ -136,7 +140,7 @@ class EngineServer:
             # One engine command, so the blocks are released even if this task is
             # cancelled while it waits for the copy.
             handle, parts = await self.engine.call(
-                lambda e: (e.export_kv(rid, skip_blocks), e.release_handoff(rid))[0]
+                lambda e: (e.export_kv(rid, skip_blocks, dst_tp), e.release_handoff(rid))[0]
             )
             released = True
         finally:
@@ -152,7 +156,8 @@ class EngineServer:
         )
         for _ in range(_MAX_STALE_RETRIES + 1):
             sent = time.perf_counter()
-            response = self.prefill_pool.prefill.remote(request, have)
+            tp = self.engine_setup["tensor_parallel_size"]
+            response = self.prefill_pool.prefill.remote(request, have, tp)
             try:
                 result: PrefillResult = await response
             except asyncio.CancelledError:

@@ -14,6 +14,8 @@ from workers.engine.kv_transport import (
     check_transport,
     fetch,
     fetch_all,
+    fetched_bytes,
+    head_cuts,
     materialize,
     publish,
 )
@@ -53,11 +55,42 @@ def test_a_rank_fetches_only_the_parts_holding_its_heads():
     full = torch.randn(1, 2, 4, 2, 4, 8)
     local = _export(full, 2)
     # Fetching rank 1's part would fail: its reference is not a Ray object.
-    unreachable = KVRef(None, local[1].shape, full.dtype, 1, 2)
+    unreachable = KVRef(((0, 2, None),), local[1].shape, full.dtype, 1, 2)
     share = materialize([local[0], unreachable], 0, 2, 0)
     assert torch.equal(share.data, full[:, :, :2])
     with pytest.raises(ValueError, match="cannot take a share"):
         materialize(local, 0, 3, 0)
+
+
+@pytest.mark.parametrize(
+    ("heads", "src_rank", "src_tp", "dst_tp", "cuts"),
+    [
+        (4, 0, 1, 2, [2]),  # one part, two importing ranks
+        (6, 0, 2, 3, [2]),  # heads [0, 3): rank 0 of 3 takes [0, 2), rank 1 [2, 4)
+        (6, 1, 2, 3, [1]),  # heads [3, 6): rank 1 of 3 takes [2, 4), rank 2 [4, 6)
+        (4, 1, 2, 2, []),  # the same split on both sides: nothing to cut
+        (4, 0, 2, 1, []),  # one importing rank takes everything
+        (4, 0, 1, None, []),  # the importer is unknown
+    ],
+)
+def test_an_export_is_cut_where_the_importing_ranks_split_the_heads(
+    heads, src_rank, src_tp, dst_tp, cuts
+):
+    assert head_cuts(heads, src_rank, src_tp, dst_tp) == cuts
+
+
+def test_an_importer_degree_that_does_not_divide_the_heads_is_refused():
+    with pytest.raises(ValueError, match="dst_tp must divide the 6 KV heads, got 4"):
+        head_cuts(6, 0, 1, 4)
+
+
+def test_a_fetch_moves_every_piece_it_touches_whole():
+    part = KVRef(((0, 1, None), (1, 3, None)), (2, 2, 3, 4, 16, 8), torch.float32, 0, 1)
+    per_head = part.nbytes // 3
+    assert fetched_bytes(part, 0, 1) == per_head
+    assert fetched_bytes(part, 1, 3) == 2 * per_head
+    assert fetched_bytes(part, 0, 2) == part.nbytes  # straddles the cut
+    assert fetched_bytes(KVBlocks(torch.zeros(1, 2, 1, 1, 4, 8), 0, 1), 0, 1) == 0
 
 
 def test_transports_are_checked():
@@ -88,8 +121,8 @@ def test_nixl_leaves_the_data_with_its_exporter_until_fetched(ray_cluster):
         def __init__(self):
             self.data = torch.randn(2, 2, 3, 4, 16, 8)
 
-        def export(self) -> list:
-            return [publish(KVBlocks(self.data, 1, 3, 2), "nixl")]
+        def export(self, cuts: tuple[int, ...] = ()) -> list:
+            return [publish(KVBlocks(self.data, 1, 3, 2), "nixl", cuts)]
 
         def expected(self) -> torch.Tensor:
             return self.data
@@ -101,7 +134,7 @@ def test_nixl_leaves_the_data_with_its_exporter_until_fetched(ray_cluster):
 
         def fetch_as(self, part: KVRef, shape: tuple[int, ...]) -> str:
             try:
-                fetch(KVRef(part.ref, shape, part.dtype, 1, 3, 2))
+                fetch(KVRef(part.pieces, shape, part.dtype, 1, 3, 2))
             except RuntimeError as e:
                 return str(e)
             return "fetched"
@@ -116,6 +149,10 @@ def test_nixl_leaves_the_data_with_its_exporter_until_fetched(ray_cluster):
         assert torch.equal(kv.data, ray.get(exporter.expected.remote()))
         assert (kv.tp_rank, kv.tp_size, kv.start_block) == (1, 3, 2)
         assert "announced" in ray.get(importer.fetch_as.remote(part, (1, 2, 3)))
+        # Cut after its first head: two objects, fetched and joined again.
+        (cut,) = ray.get(exporter.export.remote((1,)))
+        assert [(a, b) for a, b, _ in cut.pieces] == [(0, 1), (1, 3)]
+        assert torch.equal(ray.get(importer.fetch.remote([cut])).data, kv.data)
     finally:
         ray.kill(exporter)
         ray.kill(importer)
@@ -130,7 +167,7 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
     class Engines:
         """A prefill and a decode engine, in a process killed afterwards."""
 
-        def handoffs(self, prefill_tp: int, decode_tp: int, prefetch: bool) -> dict:
+        def handoffs(self, prefill_tp: int, decode_tp: int, prefetch: bool, cut: bool) -> dict:
             from workers.engine.engine import LLMEngine
             from workers.engine.sampling_params import SamplingParams
 
@@ -156,7 +193,7 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
                     expected = drain(single, "s")
                     prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
                     first = drain(prefill, f"r{i}")
-                    handle, parts = prefill.export_kv(f"r{i}")
+                    handle, parts = prefill.export_kv(f"r{i}", dst_tp=decode_tp if cut else None)
                     exported.append([p.nbytes for p in parts])
                     if prefetch:  # as AsyncEngine does, before the request reaches the engine
                         parts = decode.prefetch_kv(parts)
@@ -173,10 +210,12 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
                     e.shutdown()
             return {"results": results, "exported": exported, "pulls": pulls}
 
-    for prefill_tp, decode_tp, prefetch in [(2, 1, True), (1, 2, False), (2, 2, True)]:
+    # cut: the export is cut for the decode ranks (what a decode replica asks for).
+    cases = [(2, 1, True, False), (1, 2, False, False), (1, 2, True, True), (2, 2, True, True)]
+    for prefill_tp, decode_tp, prefetch, cut in cases:
         engines = Engines.remote()
         try:
-            run = ray.get(engines.handoffs.remote(prefill_tp, decode_tp, prefetch))
+            run = ray.get(engines.handoffs.remote(prefill_tp, decode_tp, prefetch, cut))
         finally:
             ray.kill(engines)
         for expected, got, direct in run["results"]:
@@ -184,11 +223,12 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
             # A TP decode group imports the refs themselves: its ranks pull, not the engine.
             assert direct == (decode_tp > 1 or not prefetch)
         if decode_tp > 1:
-            # Rank to rank: every decode rank pulled each export once, only the prefill
-            # part holding its KV heads (all of one part at tp 1 -> 2; at 2 -> 2, rank r
-            # needs part r alone), and nothing stays staged.
-            one_part_each = sum(sizes[0] for sizes in run["exported"])
-            assert run["pulls"] == [(3, one_part_each, 0)] * decode_tp
+            # Rank to rank: every decode rank pulled each export once, and nothing stays
+            # staged. What it moved: at 2 -> 2, part r alone; at 1 -> 2, the one part
+            # whole, or cut for the decode ranks, the half holding its heads.
+            one_part = sum(sizes[0] for sizes in run["exported"])
+            moved = one_part // 2 if (prefill_tp, cut) == (1, True) else one_part
+            assert run["pulls"] == [(3, moved, 0)] * decode_tp
 
 
 @pytest.mark.slow
@@ -266,7 +306,8 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
                 staged["aborted"] = settled()
                 decode.abort("filler")
 
-                lost = [replace(parts[0], ref=ray.put(torch.zeros(1)))]
+                wrong = ray.put(torch.zeros(1))
+                lost = [replace(parts[0], pieces=((0, parts[0].shape[2], wrong),))]
                 try:
                     decode.prefetch_kv(lost)
                 except KVTransferError as e:
@@ -299,6 +340,6 @@ def test_a_part_that_cannot_be_fetched_is_a_transfer_error(ray_cluster):
     def lost() -> torch.Tensor:
         raise OSError("exporter gone")
 
-    part = KVRef(lost.remote(), (1, 2, 1, 1, 4, 8), torch.float32, 1, 2)
+    part = KVRef(((0, 1, lost.remote()),), (1, 2, 1, 1, 4, 8), torch.float32, 1, 2)
     with pytest.raises(KVTransferError, match="rank 1.*exporter gone"):
         fetch(part)

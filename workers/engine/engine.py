@@ -284,11 +284,14 @@ class LLMEngine:
 
     # -- KV handoff (the protocol: handoff.py) --------------------------------
 
-    def export_kv(self, request_id: str, skip_blocks: int = 0) -> tuple[KVHandle, list[KVPart]]:
+    def export_kv(
+        self, request_id: str, skip_blocks: int = 0, dst_tp: int | None = None
+    ) -> tuple[KVHandle, list[KVPart]]:
         """Prefill side: a held handoff's handle and its blocks from `skip_blocks` on, one
-        part per TP rank in rank order (KVBlocks, or KVRef under a direct transport);
+        part per TP rank in rank order (KVBlocks, or KVRef under a direct transport, cut
+        so that each rank of an importer of TP degree `dst_tp` fetches only its heads);
         callable again until released."""
-        return self.handoffs.export(request_id, skip_blocks)
+        return self.handoffs.export(request_id, skip_blocks, dst_tp)
 
     def release_handoff(self, request_id: str) -> bool:
         """Prefill side: frees a handoff's blocks once decode has them; False if unknown."""

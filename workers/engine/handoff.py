@@ -47,7 +47,7 @@ class BlockRunner(Protocol):
     """The block calls ModelRunner and TPWorkerGroup share."""
 
     def export_blocks(
-        self, block_ids: list[int], start_block: int, transport: str
+        self, block_ids: list[int], start_block: int, transport: str, dst_tp: int | None
     ) -> list[KVPart]: ...
 
     def prefetch(self, parts: list[KVPart]) -> list[KVPart]:
@@ -126,7 +126,9 @@ class HeldHandoffs:
         self._held[seq.request_id] = _Held(seq, handle, now + self.timeout_s)
         return handle
 
-    def export(self, request_id: str, skip_blocks: int) -> tuple[KVHandle, list[KVPart]]:
+    def export(
+        self, request_id: str, skip_blocks: int, dst_tp: int | None = None
+    ) -> tuple[KVHandle, list[KVPart]]:
         held = self._held.get(request_id)
         if held is None:
             raise ValueError(
@@ -141,7 +143,7 @@ class HeldHandoffs:
             )
         block_ids = held.seq.block_table[skip_blocks : held.handle.num_blocks]
         start = time.perf_counter()
-        parts = self.runner.export_blocks(block_ids, skip_blocks, self.transport)
+        parts = self.runner.export_blocks(block_ids, skip_blocks, self.transport, dst_tp)
         self.export_s += time.perf_counter() - start
         self.num_blocks_exported += len(block_ids)
         return held.handle, parts

@@ -37,6 +37,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -54,14 +55,23 @@ _exported_lock = threading.Lock()  # exports run on the engine thread, live_expo
 @dataclass(frozen=True)
 class KVRef:
     """A `KVBlocks` left in the process that exported it: its metadata (the same
-    properties as KVBlocks') and a Ray reference to its data (see `fetch`)."""
+    properties as KVBlocks') and Ray references to its data, one per run of its KV heads:
+    `pieces` holds (first head, end head, ray.ObjectRef), in order, covering them all. A
+    Ray object is fetched whole, so an exporter told the importer's TP degree cuts its
+    slice where the importing ranks' heads split (`head_cuts`): each importing rank then
+    fetches exactly its own heads."""
 
-    ref: Any  # ray.ObjectRef of the data tensor
+    pieces: tuple[tuple[int, int, Any], ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
     tp_rank: int
     tp_size: int
     start_block: int = 0
+
+    @property
+    def key(self) -> str:
+        """Names this part (its first object's id): distinct for every export."""
+        return self.pieces[0][2].hex()
 
     @property
     def num_blocks(self) -> int:
@@ -95,18 +105,39 @@ def check_transport(transport: str) -> None:
         )
 
 
-def publish(kv: KVBlocks, transport: str) -> KVPart:
-    """What the exporting process returns for its slice under `transport`."""
+def publish(kv: KVBlocks, transport: str, cuts: Sequence[int] = ()) -> KVPart:
+    """What the exporting process returns for its slice under `transport`; a direct
+    transport puts each run of heads between `cuts` (see `head_cuts`) in an object of
+    its own."""
     check_transport(transport)
     if transport == "object_store":
         return kv.cpu()
     import ray
 
     install_nixl_agent()
-    ref = ray.put(kv.data, _tensor_transport=transport)
-    with _exported_lock:
-        _exported.add(kv.data)  # Ray keeps this very tensor until the last reference is gone
-    return KVRef(ref, tuple(kv.data.shape), kv.data.dtype, kv.tp_rank, kv.tp_size, kv.start_block)
+    bounds = [0, *cuts, kv.data.shape[2]]
+    pieces = []
+    for lo, hi in pairwise(bounds):
+        data = kv.data if not cuts else kv.data[:, :, lo:hi].contiguous()
+        pieces.append((lo, hi, ray.put(data, _tensor_transport=transport)))
+        with _exported_lock:
+            _exported.add(data)  # Ray keeps this very tensor until the last reference is gone
+    shape = tuple(kv.data.shape)
+    return KVRef(tuple(pieces), shape, kv.data.dtype, kv.tp_rank, kv.tp_size, kv.start_block)
+
+
+def head_cuts(num_heads: int, src_rank: int, src_tp: int, dst_tp: int | None) -> list[int]:
+    """Where rank `src_rank` of `src_tp` cuts its run of `num_heads` KV heads (all ranks
+    together) so that no rank of `dst_tp` needs part of a piece: the importing ranks'
+    boundaries that fall inside it, relative to its first head. None: the importer is
+    unknown, no cuts."""
+    if dst_tp is None:
+        return []
+    if dst_tp < 1 or num_heads % dst_tp:
+        raise ValueError(f"dst_tp must divide the {num_heads} KV heads, got {dst_tp}")
+    lo, hi = src_rank * num_heads // src_tp, (src_rank + 1) * num_heads // src_tp
+    bounds = (d * num_heads // dst_tp for d in range(1, dst_tp))
+    return [b - lo for b in bounds if lo < b < hi]
 
 
 def live_exports() -> tuple[int, int]:
@@ -121,26 +152,46 @@ def fetch(part: KVPart) -> KVBlocks:
     """The part's data in this process (a transfer for a KVRef)."""
     if isinstance(part, KVBlocks):
         return part
-    import ray
-
-    install_nixl_agent()
-    try:
-        data = ray.get(part.ref)
-    except Exception as e:  # what Ray raises depends on the transport and the failure
-        cause = getattr(e, "cause", None) or e  # a task error's own exception, no traceback
-        raise KVTransferError(
-            f"could not fetch TP rank {part.tp_rank}'s KV slice: {type(cause).__name__}: {cause}"
-        ) from e
-    if tuple(data.shape) != part.shape:
-        raise RuntimeError(
-            f"KV slice of rank {part.tp_rank} arrived with shape {tuple(data.shape)}, "
-            f"its exporter announced {part.shape}"
-        )
+    data = _fetch_heads(part, 0, part.shape[2])
     return KVBlocks(data, part.tp_rank, part.tp_size, part.start_block)
 
 
 def fetch_all(parts: Sequence[KVPart]) -> list[KVBlocks]:
     return [fetch(p) for p in parts]
+
+
+def fetched_bytes(part: KVPart, lo: int, hi: int) -> int:
+    """Bytes a fetch of heads [lo, hi) of a KVRef moves: all of each piece it touches."""
+    if isinstance(part, KVBlocks):
+        return 0
+    per_head = part.dtype.itemsize * math.prod(part.shape) // part.shape[2]
+    return sum((b - a) * per_head for a, b, _ in part.pieces if a < hi and lo < b)
+
+
+def _fetch_heads(part: KVRef, lo: int, hi: int) -> torch.Tensor:
+    """Heads [lo, hi) of the part, fetching only the pieces that hold them (in one
+    ray.get, so they travel together)."""
+    import ray
+
+    install_nixl_agent()
+    wanted = [(a, b, ref) for a, b, ref in part.pieces if a < hi and lo < b]
+    try:
+        datas = ray.get([ref for _, _, ref in wanted])
+    except Exception as e:  # what Ray raises depends on the transport and the failure
+        cause = getattr(e, "cause", None) or e  # a task error's own exception, no traceback
+        raise KVTransferError(
+            f"could not fetch TP rank {part.tp_rank}'s KV slice: {type(cause).__name__}: {cause}"
+        ) from e
+    for (a, b, _), data in zip(wanted, datas, strict=True):
+        expected = (*part.shape[:2], b - a, *part.shape[3:])
+        if tuple(data.shape) != expected:
+            raise RuntimeError(
+                f"KV slice of rank {part.tp_rank} arrived with shape {tuple(data.shape)}, "
+                f"its exporter announced {expected}"
+            )
+    data = datas[0] if len(datas) == 1 else torch.cat(datas, dim=2)
+    first = wanted[0][0]
+    return data[:, :, lo - first : hi - first]
 
 
 def head_ranges(parts: Sequence[KVPart], dst_rank: int, dst_tp: int) -> list[tuple[int, int, int]]:
@@ -170,16 +221,18 @@ def head_ranges(parts: Sequence[KVPart], dst_rank: int, dst_tp: int) -> list[tup
 def materialize(parts: Sequence[KVPart], dst_rank: int, dst_tp: int, from_block: int) -> KVBlocks:
     """Rank `dst_rank` of `dst_tp`'s share of one export (all source ranks' parts, in
     rank order, already checked to agree): its KV heads, from request block
-    `from_block` on. Fetches only the parts that hold some of those heads (whole: a
-    Ray object is fetched whole)."""
+    `from_block` on. Fetches only what holds some of those heads: the pieces that do
+    (see KVRef), or of an export cut for another TP degree, the parts that do, whole."""
+    first = parts[0]
+    if not first.start_block <= from_block <= first.end_block:
+        raise ValueError(
+            f"from_block={from_block} is outside the exported blocks "
+            f"[{first.start_block}, {first.end_block})"
+        )
     pieces = []
     for r, a, b in head_ranges(parts, dst_rank, dst_tp):
-        kv = fetch(parts[r])
-        if not kv.start_block <= from_block <= kv.end_block:
-            raise ValueError(
-                f"from_block={from_block} is outside the exported blocks "
-                f"[{kv.start_block}, {kv.end_block})"
-            )
-        pieces.append(kv.data[:, :, a:b, from_block - kv.start_block :])
+        part = parts[r]
+        data = part.data[:, :, a:b] if isinstance(part, KVBlocks) else _fetch_heads(part, a, b)
+        pieces.append(data[:, :, :, from_block - part.start_block :])
     data = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return KVBlocks(data, dst_rank, dst_tp, from_block)

@@ -154,12 +154,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows_t]).float().cpu()
 
     def export_blocks(
-        self, block_ids: list[int], start_block: int = 0, transport: str = "object_store"
+        self,
+        block_ids: list[int],
+        start_block: int = 0,
+        transport: str = "object_store",
+        dst_tp: int | None = None,
     ) -> list[KVPart]:
         """This rank's slice of the blocks' K/V, ready to leave the process by `transport`
-        (a list, like a TPWorkerGroup's one part per rank)."""
+        (a list, like a TPWorkerGroup's one part per rank), cut for an importer of TP
+        degree `dst_tp` if given (see kv_transport.head_cuts)."""
         kv = kv_transfer.export_blocks(self, block_ids, start_block)
-        return [kv_transport.publish(kv, transport)]
+        heads = kv.data.shape[2] * self.tp_size
+        cuts = kv_transport.head_cuts(heads, self.tp_rank, self.tp_size, dst_tp)
+        return [kv_transport.publish(kv, transport, cuts)]
 
     def live_exports(self) -> tuple[int, int]:
         """(slices, bytes) of this rank's direct-transport exports still referenced."""

@@ -83,11 +83,19 @@ class TPWorkerGroup:
         return self._gather([w.execute.remote(step) for w in self._ranks()])[0]
 
     def export_blocks(
-        self, block_ids: list[int], start_block: int = 0, transport: str = "object_store"
+        self,
+        block_ids: list[int],
+        start_block: int = 0,
+        transport: str = "object_store",
+        dst_tp: int | None = None,
     ) -> list[KVPart]:
-        """Every rank's slice of the blocks, in rank order, as `transport` carries it."""
+        """Every rank's slice of the blocks, in rank order, as `transport` carries it (cut
+        for an importer of TP degree `dst_tp`, if given)."""
         return self._gather(
-            [w.export_blocks.remote(block_ids, start_block, transport) for w in self._ranks()]
+            [
+                w.export_blocks.remote(block_ids, start_block, transport, dst_tp)
+                for w in self._ranks()
+            ]
         )
 
     def prefetch(self, parts: list[KVPart]) -> list[KVPart]:
@@ -224,4 +232,4 @@ def _all_refs(parts: list[KVPart]) -> bool:
 
 def _export_key(parts: list[KVRef]) -> str:
     # One export's parts are distinct Ray objects, so the first one names it.
-    return parts[0].ref.hex()
+    return parts[0].key

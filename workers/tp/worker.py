@@ -77,10 +77,12 @@ class TPWorker:
         logits = self._runner().execute(step)
         return logits.cpu() if self.rank == 0 else None
 
-    def export_blocks(self, block_ids: list[int], start_block: int, transport: str) -> KVPart:
+    def export_blocks(
+        self, block_ids: list[int], start_block: int, transport: str, dst_tp: int | None
+    ) -> KVPart:
         """This rank's slice of the blocks; under a direct transport it stays here until
         the importer pulls it from this rank."""
-        return self._runner().export_blocks(block_ids, start_block, transport)[0]
+        return self._runner().export_blocks(block_ids, start_block, transport, dst_tp)[0]
 
     def import_blocks(self, block_ids: list[int], kv: KVBlocks) -> None:
         """Writes this rank's share, already cut for it, into `block_ids`."""
@@ -100,7 +102,8 @@ class TPWorker:
         self._staged[key] = share
         self.num_pulls += 1
         sources = kv_transport.head_ranges(parts, self.rank, self.world_size)
-        self.num_pulled_bytes += sum(parts[r].nbytes for r, _, _ in sources)
+        moved = (kv_transport.fetched_bytes(parts[r], a, b) for r, a, b in sources)
+        self.num_pulled_bytes += sum(moved)
         return None
 
     def drop_staged(self, key: str) -> None:
