@@ -7,8 +7,9 @@ The transport is a config choice (`EngineConfig.kv_transport`):
   each reader). Works between any two processes.
 - "nixl": Ray Direct Transport over NVIDIA NIXL (UCX underneath: shared memory or
   RDMA; GPU memory stays on the GPU). Each exporting rank keeps its slice in its own
-  RDT store and hands out a `KVRef`; each decode rank pulls, one-sided, only the
-  parts that hold KV heads it owns, straight from the prefill ranks that hold them
+  RDT store and hands out a `KVRef`; each decode rank pulls, one-sided, only what
+  holds KV heads it owns (cut to its heads when the exporter knew the decode TP
+  degree), straight from the prefill ranks that hold them
   (the decode replica itself at TP 1; each rank actor at TP > 1, see
   `workers/tp/group.py`). Nothing has to be set up between the two sides
   beforehand, so pools can scale freely.
