@@ -288,6 +288,7 @@ class ResponseBuilder:
         # holds part of a UTF-8 character is U+FFFD).
         self.decode_token = decode_token
         self.token_bytes = token_bytes
+        self._text_offset = 0  # completions' text_offset: where the next token's text starts
 
     def _logprobs(self, lps: list[TokenLogprob]) -> Any:
         if not lps:
@@ -311,10 +312,16 @@ class ResponseBuilder:
                     for lp in lps
                 ]
             }
+        tokens = [self.decode_token(lp.token_id) for lp in lps]
+        offsets = []
+        for token in tokens:  # as vLLM counts them: each token's own text, in turn
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
         return {
-            "tokens": [self.decode_token(lp.token_id) for lp in lps],
+            "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{self.decode_token(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
         }
 
     def _finish(self, out: RequestOutput) -> str | None:

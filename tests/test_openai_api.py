@@ -285,6 +285,7 @@ def test_a_completion_object_carries_text_finish_reason_and_usage():
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["choices"][0]["logprobs"]["tokens"] == ["<7>", "<7>"]
+    assert body["choices"][0]["logprobs"]["text_offset"] == [0, 3]
     assert body["usage"] == {
         "prompt_tokens": 4,
         "completion_tokens": 2,
@@ -299,6 +300,13 @@ def test_chat_logprobs_carry_each_tokens_exact_bytes_not_its_replacement_charact
     content = builder.complete(_outputs())["choices"][0]["logprobs"]["content"]
     assert content[0]["token"] == "\ufffd" and content[0]["bytes"] == [0xF0, 0x9F]
     assert content[0]["top_logprobs"][0]["bytes"] == [0xF0, 0x9F]
+
+
+def test_completion_chunks_carry_text_offsets_that_run_on_across_the_stream():
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes)
+    events = [builder.chunk(out) for out in _outputs()]
+    offsets = [json.loads(e.removeprefix("data: "))["choices"][0]["logprobs"] for e in events]
+    assert [lp["text_offset"] for lp in offsets] == [[0], [3]]
 
 
 def test_chat_chunks_open_with_the_role_and_end_with_the_finish_reason():
