@@ -21,9 +21,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
@@ -81,8 +83,13 @@ class EngineServer:
         pool = config.pools()[role]
         model_dir = config.model_dir()
         engine_config = config.engine_config(pool, str(model_dir), model_identity(model_dir))
-        self.registry = get_or_create_registry(PrefixRegistryConfig(name=config.registry_name))
-        self.board = get_or_create_board(config.status_board_name)
+        self.registry_config = PrefixRegistryConfig(name=config.registry_name)
+        self.board_name = config.status_board_name
+        self.registry = get_or_create_registry(self.registry_config)
+        self.board = get_or_create_board(self.board_name)
+        # The last fire-and-forget call to each (see _replace_lost_actors).
+        self._last_publish: Future | None = None
+        self._last_post: Future | None = None
         self.engine = AsyncEngine.from_config(
             engine_config, stream_interval=config.stream_interval, on_kv_events=self._publish
         )
@@ -96,7 +103,7 @@ class EngineServer:
 
     def _publish(self, stored: list[BlockHash], evicted: list[BlockHash]) -> None:
         # Runs on the engine thread once per step: hand the batch off, never wait.
-        self.registry.publish.remote(self.replica_id, stored, evicted)
+        self._last_publish = self.registry.publish.remote(self.replica_id, stored, evicted).future()
 
     # -- requests --------------------------------------------------------------
 
@@ -254,11 +261,27 @@ class EngineServer:
             self.gpus = read_gpus()
             self.metrics.gpus(self.gpus)
         self.metrics.engine(s)
-        self.board.post.remote(self.replica_id, self.stats())
+        self._replace_lost_actors()
+        self._last_post = self.board.post.remote(self.replica_id, self.stats()).future()
         return {
             "num_ongoing": s.num_running + s.num_waiting + s.imports_waiting,
             "kv_free_fraction": s.num_free_blocks / max(s.num_total_blocks, 1),
         }
+
+    def _replace_lost_actors(self) -> None:
+        """The registry and the status board are advisory actors: when one is gone (its
+        node died, or it was killed), this replica starts a new one and talks to that.
+        A new registry learns this replica's blocks from its next cache events on."""
+        for name, last in (("registry", self._last_publish), ("board", self._last_post)):
+            if last is None or not last.done() or not isinstance(last.exception(), RayActorError):
+                continue
+            logger.warning("the %s actor is gone; starting a new one", name)
+            if name == "registry":
+                self._last_publish = None
+                self.registry = get_or_create_registry(self.registry_config)
+            else:
+                self._last_post = None
+                self.board = get_or_create_board(self.board_name)
 
     def check_health(self) -> None:
         if not self.engine.is_healthy():

@@ -165,6 +165,8 @@ def get_or_create_registry(config: PrefixRegistryConfig | None = None) -> ray.ac
         get_if_exists=True,
         # Bookkeeping only: it must never wait for, or take, a CPU a model needs.
         num_cpus=0,
+        # Its node lost, it starts again elsewhere (empty: the index is advisory).
+        max_restarts=-1,
     )
     return actor.remote(config.max_entries)
 

@@ -11,6 +11,7 @@ on text and a stop string ends the request for the client at once.
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
@@ -42,6 +44,8 @@ from serve_app.text_stream import TextStream
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.model.loader import model_identity
+
+logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "baton.v1.Baton"
 _HTTP_STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500}
@@ -123,7 +127,8 @@ class Router:
             role: config.engine_config(p, str(model_dir), self.model_id).resolved_dtype_name()
             for role, p in config.pools().items()
         }
-        self.registry = get_or_create_registry(PrefixRegistryConfig(name=config.registry_name))
+        self.registry_config = PrefixRegistryConfig(name=config.registry_name)
+        self.registry = get_or_create_registry(self.registry_config)
         self.pool = pool.options(stream=True)
         self.metrics = RouterMetrics(serve.get_replica_context().app_name)
 
@@ -135,7 +140,13 @@ class Router:
         # Internal ids are always fresh: two clients may send the same request_id.
         request = self.frontend.build_request(uuid.uuid4().hex, ids, params, cache_salt)
         if request.block_hashes:
-            hits = await self.registry.longest_prefixes.remote(list(request.block_hashes))
+            try:
+                hits = await self.registry.longest_prefixes.remote(list(request.block_hashes))
+            except RayActorError:
+                # Advisory: losing the registry costs routing hints, never a request.
+                logger.warning("the prefix registry is gone; starting a new one")
+                self.registry = get_or_create_registry(self.registry_config)
+                hits = {}
             request = replace(request, prefix_hits=hits)
         return request, self.frontend.text_stream(ids, params)
 

@@ -43,6 +43,11 @@ class StatusBoard:
 def get_or_create_board(name: str) -> ray.actor.ActorHandle:
     """The named board actor (Ray must be initialised); detached, created on first use."""
     actor = ray.remote(StatusBoard).options(
-        name=name, namespace=BOARD_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0
+        name=name,
+        namespace=BOARD_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,  # its node lost, it starts again elsewhere (replicas post anew)
     )
     return actor.remote()

@@ -21,6 +21,7 @@ import time
 import grpc
 import openai
 import pytest
+import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ray import serve
@@ -40,6 +41,7 @@ from serve_app import service_ops
 from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.prefix_registry import PrefixRegistryConfig
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
@@ -377,6 +379,20 @@ def test_status_shows_each_replicas_role_dtype_and_tp(service):
     assert re.search(r"^  prefill +\S+ +float32 tp3 ", text, re.MULTILINE), text
     assert re.search(r"^  decode +\S+ +float32 tp1 ", text, re.MULTILINE), text
     assert "aggregated" not in text  # the other application's replica
+
+
+def test_losing_the_prefix_registry_costs_routing_hints_not_requests(disagg):
+    config = PrefixRegistryConfig()
+    ray.kill(ray.get_actor(config.name, namespace=config.namespace))
+    prompt = "A prompt long enough to be hashed and looked up in the registry. " * 4
+    assert disagg.generate_unary(_greedy(prompt, max_tokens=4)).usage.completion_tokens == 4
+    # The router started a new registry; the replicas, finding theirs gone, publish to it.
+    registry = ray.get_actor(config.name, namespace=config.namespace)
+    deadline = time.monotonic() + 30
+    while not ray.get(registry.stats.remote())["hashes"]:
+        assert time.monotonic() < deadline, "no replica published to the new registry"
+        disagg.generate_unary(_greedy(f"{prompt} Again at {time.monotonic()}.", max_tokens=2))
+        time.sleep(1)
 
 
 def test_every_pool_gets_all_its_blocks_back(service):
