@@ -78,7 +78,7 @@ def _pool_options(role: str, pool: PoolConfig) -> dict[str, Any]:
         ),
         # Loading a model takes a while; a busy CPU engine must not look dead.
         "health_check_timeout_s": 60,
-        "graceful_shutdown_timeout_s": 30,
+        "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
     }
     if pool.autoscaling is not None:
         a = pool.autoscaling

@@ -70,6 +70,9 @@ class PoolConfig(_Frozen):
     dtype: DType = "auto"
     # Requests Serve sends one replica at once; beyond it they queue at the router.
     max_ongoing_requests: int = Field(128, ge=1)
+    # How long a replica that is scaled down or replaced may finish its streams before
+    # Serve stops it: long enough for the longest generation you serve.
+    graceful_shutdown_timeout_s: float = Field(300.0, gt=0)
 
 
 class RouterConfig(_Frozen):

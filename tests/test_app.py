@@ -83,6 +83,13 @@ def test_the_graph_has_a_router_and_one_deployment_per_pool(model_dir):
         assert names == {"Router", *(DEPLOYMENT_NAMES[p] for p in pools)}
 
 
+def test_each_pool_sets_how_long_its_replicas_may_drain(model_dir):
+    pools = {"prefill": {"graceful_shutdown_timeout_s": 45}, "decode": {}}
+    app = build_app({"model": str(model_dir), **pools})
+    drain = {d.name: d._deployment_config.graceful_shutdown_timeout_s for d in _deployments(app)}
+    assert drain["PrefillServer"] == 45 and drain["DecodeServer"] == 300
+
+
 def _deployments(app) -> list:
     """Every deployment of an application graph (bound deployments are init args)."""
     seen, stack = [], [app]

@@ -93,6 +93,7 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "num_threads": r["numThreads"],
             "dtype": r["dtype"],
             "max_ongoing_requests": r["maxOngoingRequests"],
+            "graceful_shutdown_timeout_s": r["gracefulShutdownTimeoutS"],
         }
         a = p["autoscaling"]
         if a["enabled"]:

@@ -142,7 +142,8 @@ the replica takes replica.numGpus. Ray counts a pod's CPUs and GPUs from its lim
     "max_num_batched_tokens" $r.maxNumBatchedTokens
     "num_threads" $r.numThreads
     "dtype" $r.dtype
-    "max_ongoing_requests" $r.maxOngoingRequests }}
+    "max_ongoing_requests" $r.maxOngoingRequests
+    "graceful_shutdown_timeout_s" $r.gracefulShutdownTimeoutS }}
 {{- if $pool.autoscaling.enabled }}
 {{- $_ := set $args "autoscaling" (dict
     "min_replicas" $pool.autoscaling.minReplicas
