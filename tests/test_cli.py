@@ -106,6 +106,32 @@ def test_serve_flags_override_the_config_file(model_dir, tmp_path):
     assert {config.prefill.dtype, config.decode.dtype, config.aggregated.dtype} == {"bfloat16"}
 
 
+@pytest.mark.parametrize(
+    ("file_text", "flags", "message"),
+    [
+        (None, [], "nope.yaml: No such file or directory"),
+        ("prefill: [1,\n", [], "not valid YAML at line 2"),
+        ("- a list\n", [], "must be a mapping of AppConfig fields"),
+        ("bogus: 1\n", [], "invalid configuration: bogus: Extra inputs are not permitted"),
+        ("", ["--mode", "aggregated", "--prefill-replicas", "2"], "--prefill-replicas does not"),
+        ("", ["--decode-tp", "5"], "decode.tensor_parallel_size=5 does not divide"),
+    ],
+)
+def test_serve_refuses_a_bad_config_in_one_line_before_starting_ray(
+    model_dir, tmp_path, capsys, file_text, flags, message
+):
+    import ray
+
+    path = tmp_path / "nope.yaml"
+    if file_text is not None:
+        path.write_text(file_text)
+    argv = ["serve", "--config", str(path), "--model", str(model_dir), *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not ray.is_initialized()
+
+
 def test_the_dtype_choices_are_the_configs():
     from serve_app.cli import DTYPES
     from serve_app.config import DType
