@@ -91,7 +91,10 @@ class EngineServer:
         self._last_publish: Future | None = None
         self._last_post: Future | None = None
         self.engine = AsyncEngine.from_config(
-            engine_config, stream_interval=config.stream_interval, on_kv_events=self._publish
+            engine_config,
+            stream_interval=config.stream_interval,
+            max_pulled_kv_bytes=pool.max_pulled_kv_bytes,
+            on_kv_events=self._publish,
         )
         self.prefill_pool = prefill_pool
         self.handoff = HandoffStats()

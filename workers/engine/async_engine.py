@@ -73,16 +73,18 @@ class AsyncEngine:
         tokens (or the request ended), merged: fewer messages for a serving path that pays
         per message (Ray Serve's hops), at the cost of smoothness. `max_pulled_kv_bytes`:
         handoff KV pulled and waiting for its import, at most (see pull_budget.py); None:
-        as much as this engine's KV cache holds.
+        a quarter of this engine's KV cache (on a GPU it waits in device memory).
         """
         if max_pending_requests is not None and max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        if max_pulled_kv_bytes is not None and max_pulled_kv_bytes < 1:
+            raise ValueError(f"max_pulled_kv_bytes must be >= 1, got {max_pulled_kv_bytes}")
         self.engine = engine
         self.max_pending_requests = max_pending_requests
         self.stream_interval = stream_interval
-        self.pull_budget = PullBudget(max_pulled_kv_bytes or engine.kv_cache_bytes)
+        self.pull_budget = PullBudget(max_pulled_kv_bytes or max(engine.kv_cache_bytes // 4, 1))
         self._cond = threading.Condition()
         # Everything below is guarded by _cond.
         self._commands: list[Add | Abort | Call] = []
@@ -104,6 +106,7 @@ class AsyncEngine:
         *,
         max_pending_requests: int | None = DEFAULT_MAX_PENDING_REQUESTS,
         stream_interval: int = 1,
+        max_pulled_kv_bytes: int | None = None,
         **engine_kwargs,
     ) -> AsyncEngine:
         """Builds the LLMEngine (loads the model: blocking) and wraps it."""
@@ -111,6 +114,7 @@ class AsyncEngine:
             LLMEngine(config, **engine_kwargs),
             max_pending_requests=max_pending_requests,
             stream_interval=stream_interval,
+            max_pulled_kv_bytes=max_pulled_kv_bytes,
         )
 
     # -- caller side (any thread, any event loop) ----------------------------

@@ -142,8 +142,9 @@ def head_cuts(num_heads: int, src_rank: int, src_tp: int, dst_tp: int | None) ->
 
 
 def live_exports() -> tuple[int, int]:
-    """(slices, bytes) this process exported over a direct transport that some reference
-    still keeps alive: handoffs whose importer has not let go yet."""
+    """(objects, bytes) this process exported over a direct transport that some reference
+    still keeps alive: handoffs whose importer has not let go yet (a cut part is one
+    object per piece)."""
     with _exported_lock:
         tensors = list(_exported)
     return len(tensors), sum(t.nbytes for t in tensors)

@@ -89,8 +89,8 @@ class Tokenizer:
         bytes as characters; SentencePiece ones write "▁" for a space and <0xNN> for a
         byte fallback."""
         token = self.hf.id_to_token(token_id)
-        if token is None:
-            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        if token is None:  # a model may pad its vocabulary past the tokenizer's (Qwen2.5)
+            return b""
         if token_id in self._added:  # added tokens are kept as written
             return token.encode()
         if self._byte_level:
