@@ -42,6 +42,7 @@ from workers.engine.async_commands import (
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineDeadError, EngineOverloadedError
+from workers.engine.kv_cache_manager import KVEventCallback
 from workers.engine.kv_transfer import KVHandle
 from workers.engine.kv_transport import KVPart, KVRef
 from workers.engine.outputs import EngineStats, RequestOutput
@@ -101,21 +102,11 @@ class AsyncEngine:
 
     @classmethod
     def from_config(
-        cls,
-        config: EngineConfig,
-        *,
-        max_pending_requests: int | None = DEFAULT_MAX_PENDING_REQUESTS,
-        stream_interval: int = 1,
-        max_pulled_kv_bytes: int | None = None,
-        **engine_kwargs,
+        cls, config: EngineConfig, on_kv_events: KVEventCallback | None = None, **options
     ) -> AsyncEngine:
-        """Builds the LLMEngine (loads the model: blocking) and wraps it."""
-        return cls(
-            LLMEngine(config, **engine_kwargs),
-            max_pending_requests=max_pending_requests,
-            stream_interval=stream_interval,
-            max_pulled_kv_bytes=max_pulled_kv_bytes,
-        )
+        """Builds the LLMEngine (loads the model: blocking) and wraps it; `options` are
+        __init__'s."""
+        return cls(LLMEngine(config, on_kv_events=on_kv_events), **options)
 
     # -- caller side (any thread, any event loop) ----------------------------
 
@@ -159,10 +150,8 @@ class AsyncEngine:
             with self._cond:
                 self._check_room()  # a request refused anyway should not pay the transfer
             kv_parts, pulled = await pull_kv(self.engine, self.pull_budget, kv_parts)
-        # The engine takes the parts at submit and drops them once imported. Nothing here
-        # may hold them longer: a reference kept for the whole request would keep the
-        # export alive in the prefill ranks' memory (and pulled data in this one) until
-        # the last token.
+        # The engine takes the parts at submit and drops them once imported; held here, they
+        # would keep the export alive in the prefill ranks' memory until the last token.
         unsent = [kv_parts]
         del kv_parts
 
