@@ -72,7 +72,7 @@ class PoolConfig(_Frozen):
     max_ongoing_requests: int = Field(128, ge=1)
     # How long a replica that is scaled down or replaced may finish its streams before
     # Serve stops it: long enough for the longest generation you serve.
-    graceful_shutdown_timeout_s: float = Field(300.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(120.0, gt=0)
     # Handoff KV a decode replica may hold pulled but not yet imported (None: a quarter of
     # its KV cache); beyond it, further pulls wait for imports.
     max_pulled_kv_bytes: int | None = Field(None, ge=1)

@@ -87,7 +87,7 @@ def test_each_pool_sets_how_long_its_replicas_may_drain(model_dir):
     pools = {"prefill": {"graceful_shutdown_timeout_s": 45}, "decode": {}}
     app = build_app({"model": str(model_dir), **pools})
     drain = {d.name: d._deployment_config.graceful_shutdown_timeout_s for d in _deployments(app)}
-    assert drain["PrefillServer"] == 45 and drain["DecodeServer"] == 300
+    assert drain["PrefillServer"] == 45 and drain["DecodeServer"] == 120
 
 
 def _deployments(app) -> list:

@@ -118,10 +118,12 @@ def test_serve_flags_override_the_config_file(model_dir, tmp_path):
     ],
 )
 def test_serve_refuses_a_bad_config_in_one_line_before_starting_ray(
-    model_dir, tmp_path, capsys, file_text, flags, message
+    model_dir, tmp_path, capsys, monkeypatch, file_text, flags, message
 ):
-    import ray
+    from serve_app import service_ops
 
+    connected = []
+    monkeypatch.setattr(service_ops, "connect", lambda *a, **k: connected.append(a))
     path = tmp_path / "nope.yaml"
     if file_text is not None:
         path.write_text(file_text)
@@ -129,7 +131,7 @@ def test_serve_refuses_a_bad_config_in_one_line_before_starting_ray(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert not ray.is_initialized()
+    assert not connected  # refused before joining or starting a Ray cluster
 
 
 def test_the_dtype_choices_are_the_configs():
