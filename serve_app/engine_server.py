@@ -275,16 +275,14 @@ class EngineServer:
         """The registry and the status board are advisory actors: when one is gone (its
         node died, or it was killed), this replica starts a new one and talks to that.
         A new registry learns this replica's blocks from its next cache events on."""
-        for name, last in (("registry", self._last_publish), ("board", self._last_post)):
-            if last is None or not last.done() or not isinstance(last.exception(), RayActorError):
-                continue
-            logger.warning("the %s actor is gone; starting a new one", name)
-            if name == "registry":
-                self._last_publish = None
-                self.registry = get_or_create_registry(self.registry_config)
-            else:
-                self._last_post = None
-                self.board = get_or_create_board(self.board_name)
+        if _actor_lost(self._last_publish):
+            logger.warning("the prefix registry is gone; starting a new one")
+            self._last_publish = None
+            self.registry = get_or_create_registry(self.registry_config)
+        if _actor_lost(self._last_post):
+            logger.warning("the status board is gone; starting a new one")
+            self._last_post = None
+            self.board = get_or_create_board(self.board_name)
 
     def check_health(self) -> None:
         if not self.engine.is_healthy():
@@ -304,7 +302,7 @@ class EngineServer:
         }
 
     async def live_kv_exports(self) -> tuple[int, int]:
-        """(slices, bytes) of KV this replica's ranks exported that a decode replica still
+        """(objects, bytes) of KV this replica's ranks exported that a decode replica still
         references: a handoff's export lives until its import, then Ray frees it."""
         return await asyncio.to_thread(self.engine.engine.live_kv_exports)
 
@@ -315,3 +313,8 @@ class EngineServer:
             self.registry.remove_replica.remote(self.replica_id)
             self.board.remove.remote(self.replica_id)
             await self.engine.shutdown()
+
+
+def _actor_lost(call: Future | None) -> bool:
+    """Whether a finished fire-and-forget call failed because its actor is gone."""
+    return call is not None and call.done() and isinstance(call.exception(), RayActorError)

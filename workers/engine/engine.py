@@ -339,7 +339,7 @@ class LLMEngine:
         self.runner.release_prefetched(kv_parts)
 
     def live_kv_exports(self) -> tuple[int, int]:
-        """Prefill side, callable from any thread: (slices, bytes) of exported KV that an
+        """Prefill side, callable from any thread: (objects, bytes) of exported KV that an
         importer still references, kept outside the KV block budget until it lets go."""
         return self.runner.live_exports()
 

@@ -62,7 +62,7 @@ class BlockRunner(Protocol):
     def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None: ...
 
     def live_exports(self) -> tuple[int, int]:
-        """(slices, bytes) exported over a direct transport that importers still hold."""
+        """(objects, bytes) exported over a direct transport that importers still hold."""
         ...
 
 

@@ -166,7 +166,7 @@ def fetched_bytes(part: KVPart, lo: int, hi: int) -> int:
     """Bytes a fetch of heads [lo, hi) of a KVRef moves: all of each piece it touches."""
     if isinstance(part, KVBlocks):
         return 0
-    per_head = part.dtype.itemsize * math.prod(part.shape) // part.shape[2]
+    per_head = part.nbytes // part.shape[2]
     return sum((b - a) * per_head for a, b, _ in part.pieces if a < hi and lo < b)
 
 

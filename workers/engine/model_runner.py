@@ -169,7 +169,7 @@ class ModelRunner:
         return [kv_transport.publish(kv, transport, cuts)]
 
     def live_exports(self) -> tuple[int, int]:
-        """(slices, bytes) of this rank's direct-transport exports still referenced."""
+        """(objects, bytes) of this rank's direct-transport exports still referenced."""
         return kv_transport.live_exports()
 
     def prefetch(self, parts: list[KVPart]) -> list[KVPart]:

@@ -164,7 +164,7 @@ class TPWorkerGroup:
         )
 
     def live_exports(self) -> tuple[int, int]:
-        """(slices, bytes) of the ranks' direct-transport exports still referenced."""
+        """(objects, bytes) of the ranks' direct-transport exports still referenced."""
         # On the transfer thread: not queued behind a step.
         per_rank = self._gather([_on_pull_thread(w.live_exports).remote() for w in self._ranks()])
         return sum(n for n, _ in per_rank), sum(b for _, b in per_rank)
