@@ -24,15 +24,10 @@ from ray.serve.config import RequestRouterConfig
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.engine_server import EngineServer
 from serve_app.router import Router
+from serve_app.serve_config import DEPLOYMENT_NAMES, ROUTER_NAME, pool_scale
 from workers.engine.kv_transport import check_transport
 from workers.model.config import ModelConfig
 
-DEPLOYMENT_NAMES = {
-    "aggregated": "EngineServer",
-    "prefill": "PrefillServer",
-    "decode": "DecodeServer",
-}
-ROUTER_NAME = "Router"
 # How often replicas report load and KV usage to the request router.
 ROUTING_STATS_PERIOD_S = 1.0
 
@@ -80,16 +75,11 @@ def _pool_options(role: str, pool: PoolConfig) -> dict[str, Any]:
         "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
     }
-    if pool.autoscaling is not None:
-        a = pool.autoscaling
-        options["autoscaling_config"] = ServeAutoscaling(
-            min_replicas=a.min_replicas,
-            max_replicas=a.max_replicas,
-            initial_replicas=min(max(pool.num_replicas, a.min_replicas), a.max_replicas),
-            target_ongoing_requests=a.target_ongoing_requests,
-        )
+    scale = pool_scale(pool)
+    if "autoscaling_config" in scale:
+        options["autoscaling_config"] = ServeAutoscaling(**scale["autoscaling_config"])
     else:
-        options["num_replicas"] = pool.num_replicas
+        options["num_replicas"] = scale["num_replicas"]
     return options
 
 

@@ -134,16 +134,16 @@ class AppConfig(_Frozen):
         return {"prefill": self.prefill, "decode": self.decode}
 
     def without_scale(self) -> AppConfig:
-        """This config with every pool's replica count and autoscaling at their defaults:
-        what replicas are built from, so scaling a pool changes no replica's arguments
-        (Serve then adds or drains replicas instead of restarting them all)."""
+        """This config with every replica count and autoscaling at their defaults: what
+        replicas are built from, so scaling a pool or the router changes no replica's
+        arguments (Serve then adds or drains replicas instead of restarting them all)."""
         neutral = {"num_replicas": 1, "autoscaling": None}
-        return self.model_copy(
-            update={
-                name: getattr(self, name).model_copy(update=neutral)
-                for name in ("aggregated", "prefill", "decode")
-            }
-        )
+        update = {
+            name: getattr(self, name).model_copy(update=neutral)
+            for name in ("aggregated", "prefill", "decode")
+        }
+        update["router"] = self.router.model_copy(update={"num_replicas": 1})
+        return self.model_copy(update=update)
 
     def engine_config(self, pool: PoolConfig, model_dir: str, model_id: str) -> EngineConfig:
         return EngineConfig(

@@ -3,18 +3,30 @@
 `baton serve` and the Helm chart both deploy exactly this: one application built by
 `build_app` from the AppConfig's fields, Serve's HTTP proxy on 8000 and its gRPC proxy
 on 9000 with Baton's service, the standard health service and server reflection.
+
+Replica counts and autoscaling are not in the application's `args` but in its
+`deployments:` overrides. Serve versions every deployment of a config-file application
+by a hash of its `args`, so a count there would make `helm upgrade --set
+prefill.replicas=4` restart every replica of every pool; as an override it changes only
+the prefill deployment's target, and Serve adds replicas beside the running ones.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, PoolConfig
 
 IMPORT_PATH = "serve_app.app:build_app"
 APP_NAME = "baton"
 HTTP_PORT = 8000
 GRPC_PORT = 9000
+DEPLOYMENT_NAMES = {
+    "aggregated": "EngineServer",
+    "prefill": "PrefillServer",
+    "decode": "DecodeServer",
+}
+ROUTER_NAME = "Router"
 # Services Serve's gRPC proxy registers and routes to the router deployment (a method of
 # the same name answers each RPC). Server reflection is the proxy's own (enable_reflection).
 GRPC_SERVICER_FUNCTIONS = (
@@ -40,7 +52,32 @@ def serve_config(
                 "name": APP_NAME,
                 "route_prefix": "/",
                 "import_path": IMPORT_PATH,
-                "args": config.model_dump(mode="json", exclude_defaults=True),
+                "args": config.without_scale().model_dump(mode="json", exclude_defaults=True),
+                "deployments": [
+                    {"name": ROUTER_NAME, "num_replicas": config.router.num_replicas},
+                    *(
+                        {"name": DEPLOYMENT_NAMES[role], **pool_scale(pool)}
+                        for role, pool in config.pools().items()
+                    ),
+                ],
             }
         ],
+    }
+
+
+def pool_scale(pool: PoolConfig) -> dict[str, Any]:
+    """Serve's replica-count options for one pool: a fixed `num_replicas`, or an
+    `autoscaling_config` that starts at `num_replicas` (clamped to its bounds)."""
+    if pool.autoscaling is None:
+        return {"num_replicas": pool.num_replicas}
+    a = pool.autoscaling
+    return {
+        # Explicitly unset: an override merges into what build_app set (one replica).
+        "num_replicas": None,
+        "autoscaling_config": {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "initial_replicas": min(max(pool.num_replicas, a.min_replicas), a.max_replicas),
+            "target_ongoing_requests": a.target_ongoing_requests,
+        },
     }

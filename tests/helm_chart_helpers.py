@@ -10,6 +10,9 @@ import helm_python as helm
 import pytest
 import yaml
 
+from serve_app.config import AppConfig, AutoscalingConfig
+from serve_app.serve_config import DEPLOYMENT_NAMES, ROUTER_NAME
+
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm"
 CRD = REPO.parent / "shared" / "crds" / "ray.io_rayservices.yaml"
@@ -120,3 +123,29 @@ def _serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
 
 def _merged(chart: helm.Chart, values: dict[str, Any]) -> dict[str, Any]:
     return chart.merge_values(values)
+
+
+def app_config_of(app: dict[str, Any]) -> AppConfig:
+    """The AppConfig a Serve config application describes: its `args`, with the replica
+    counts and autoscaling its `deployments:` overrides set."""
+    config = AppConfig.model_validate(app["args"])
+    roles = {name: role for role, name in DEPLOYMENT_NAMES.items()}
+    update: dict[str, Any] = {}
+    for override in app["deployments"]:
+        if override["name"] == ROUTER_NAME:
+            router = config.router.model_dump() | {"num_replicas": override["num_replicas"]}
+            update["router"] = router
+            continue
+        role = roles[override["name"]]
+        scale = override.get("autoscaling_config")
+        if scale is None:
+            pool = {"num_replicas": override["num_replicas"]}
+        else:
+            assert override["num_replicas"] is None, override
+            bounds = ("min_replicas", "max_replicas", "target_ongoing_requests")
+            pool = {
+                "num_replicas": scale["initial_replicas"],
+                "autoscaling": AutoscalingConfig(**{k: scale[k] for k in bounds}),
+            }
+        update[role] = getattr(config, role).model_dump() | pool
+    return AppConfig.model_validate(config.model_dump() | update)

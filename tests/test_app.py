@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from helm_chart_helpers import app_config_of
+from ray.serve._private.deploy_utils import get_app_code_version
 from ray.serve.schema import ServeDeploySchema
 from tiny_model import make_tiny_model
 
-from serve_app.app import DEPLOYMENT_NAMES, build_app, validate
-from serve_app.config import TRANSPORTS, AppConfig, AutoscalingConfig, PoolConfig
-from serve_app.serve_config import GRPC_PORT, IMPORT_PATH, serve_config
+from serve_app.app import build_app, validate
+from serve_app.config import TRANSPORTS, AppConfig, AutoscalingConfig, PoolConfig, RouterConfig
+from serve_app.serve_config import DEPLOYMENT_NAMES, GRPC_PORT, IMPORT_PATH, serve_config
 from workers.engine.kv_transport import TRANSPORTS as ENGINE_TRANSPORTS
 
 
@@ -115,8 +117,38 @@ def test_rescaling_leaves_every_deployment_version_unchanged(model_dir):
 
 
 def test_the_serve_config_is_one_valid_application_of_build_app():
-    config = AppConfig(prefill=PoolConfig(num_replicas=2, tensor_parallel_size=3))
-    schema = ServeDeploySchema.model_validate(serve_config(config))
+    autoscaling = AutoscalingConfig(min_replicas=1, max_replicas=4)
+    config = AppConfig(
+        prefill=PoolConfig(num_replicas=2, tensor_parallel_size=3),
+        decode=PoolConfig(num_replicas=2, autoscaling=autoscaling),
+        router=RouterConfig(num_replicas=2),
+    )
+    raw = serve_config(config)
+    schema = ServeDeploySchema.model_validate(raw)
     (app,) = schema.applications
     assert app.import_path == IMPORT_PATH and schema.grpc_options.port == GRPC_PORT
-    assert AppConfig.model_validate(app.args) == config
+    assert app_config_of(raw["applications"][0]) == config
+
+
+def test_rescaling_through_a_serve_config_keeps_serves_code_version():
+    """Serve versions every deployment of a config-file application by its code version
+    (import path, args, ...): rescaling must leave it alone, or Serve restarts them all.
+    (Turning a pool's autoscaling on or off does change it: Serve hashes the list of
+    autoscaling policies in use.)"""
+
+    def code_version(config: AppConfig) -> str:
+        (app,) = ServeDeploySchema.model_validate(serve_config(config)).applications
+        return get_app_code_version(app)
+
+    def autoscaled(lo: int, hi: int, start: int = 1) -> PoolConfig:
+        scaling = AutoscalingConfig(min_replicas=lo, max_replicas=hi)
+        return PoolConfig(num_replicas=start, autoscaling=scaling)
+
+    base = AppConfig(decode=autoscaled(1, 4))
+    for rescaled in (
+        base.model_copy(update={"prefill": PoolConfig(num_replicas=4)}),
+        base.model_copy(update={"decode": autoscaled(2, 8, start=3)}),
+        base.model_copy(update={"router": RouterConfig(num_replicas=3)}),
+    ):
+        assert code_version(rescaled) == code_version(base)
+    assert code_version(base.model_copy(update={"block_size": 32})) != code_version(base)

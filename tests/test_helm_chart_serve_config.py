@@ -7,7 +7,14 @@ import copy
 import typing
 from typing import Any
 
-from helm_chart_helpers import _merged, _rayservice, _render, _serve_config, value_sets
+from helm_chart_helpers import (
+    _merged,
+    _rayservice,
+    _render,
+    _serve_config,
+    app_config_of,
+    value_sets,
+)
 from pydantic import BaseModel
 from ray.serve.schema import ServeDeploySchema
 
@@ -72,8 +79,7 @@ def test_serve_config_is_what_baton_serve_deploys(chart, values):
     ServeDeploySchema.model_validate(rendered)
     assert _unknown_keys(ServeDeploySchema, rendered) == []
     (app,) = rendered["applications"]
-    app_config = AppConfig.model_validate(app["args"])
-    assert _normalised(rendered) == _normalised(serve_config(app_config))
+    assert _normalised(rendered) == _normalised(serve_config(app_config_of(app)))
 
 
 def _expected_app_config(v: dict[str, Any]) -> AppConfig:
@@ -129,7 +135,9 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
 
 
 @value_sets
-def test_app_args_carry_every_value(chart, values):
-    rendered = _serve_config(_rayservice(_render(chart, values)))
-    args = AppConfig.model_validate(rendered["applications"][0]["args"])
-    assert args == _expected_app_config(_merged(chart, values))
+def test_the_application_carries_every_value(chart, values):
+    (app,) = _serve_config(_rayservice(_render(chart, values)))["applications"]
+    expected = _expected_app_config(_merged(chart, values))
+    assert app_config_of(app) == expected
+    # Counts and autoscaling only in the overrides: Serve versions replicas by the args.
+    assert AppConfig.model_validate(app["args"]) == expected.without_scale()

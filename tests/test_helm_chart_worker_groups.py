@@ -16,10 +16,9 @@ from helm_chart_helpers import (
     _rayservice,
     _render,
     _serve_config,
+    app_config_of,
     value_sets,
 )
-
-from serve_app.config import AppConfig
 
 
 def _ray_start_resources(group: dict[str, Any]) -> dict[str, float]:
@@ -34,8 +33,7 @@ def test_worker_groups_host_their_pools(chart, values):
     merged = _merged(chart, values)
     rayservice = _rayservice(_render(chart, values))
     groups = _groups(rayservice)
-    args = AppConfig.model_validate(_serve_config(rayservice)["applications"][0]["args"])
-    pools = args.pools()
+    pools = app_config_of(_serve_config(rayservice)["applications"][0]).pools()
     assert set(groups) == set(pools)
     any_autoscaling = False
     for role, pool in pools.items():
@@ -77,13 +75,16 @@ def test_multi_gpu_group_requests_its_gpus(chart):
 
 
 def test_one_value_scales_one_pool(chart):
-    """`helm upgrade --set prefill.replicas=4` moves prefill's pods and replicas, nothing else."""
+    """`helm upgrade --set prefill.replicas=4` moves prefill's pods and replicas, nothing
+    else: the application's args, which Serve versions every replica by, stay the same."""
     before = _rayservice(_render(chart, {}))
     after = _rayservice(_render(chart, helm.parse_set_string("prefill.replicas=4")))
-    config_before, config_after = _serve_config(before), _serve_config(after)
-    assert config_after["applications"][0]["args"]["prefill"]["num_replicas"] == 4
-    config_after["applications"][0]["args"]["prefill"]["num_replicas"] = 1
-    assert config_after == config_before
+    (app_before,) = _serve_config(before)["applications"]
+    (app_after,) = _serve_config(after)["applications"]
+    scale = {d["name"]: d for d in app_after["deployments"]}
+    assert scale["PrefillServer"]["num_replicas"] == 4
+    scale["PrefillServer"]["num_replicas"] = 1
+    assert app_after == app_before
     groups = _groups(after)
     assert groups["prefill"]["replicas"] == groups["prefill"]["minReplicas"] == 4
     assert groups["prefill"]["maxReplicas"] == 4

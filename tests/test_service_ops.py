@@ -3,11 +3,19 @@ the service they deploy)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import ray
 from ray import serve
+from ray.serve.schema import ApplicationStatus, ServeDeploySchema
+from service_helpers import KV
 
 from serve_app import service_ops
+from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
+from serve_app.serve_config import APP_NAME, GRPC_SERVICER_FUNCTIONS, serve_config
+from serve_app.status_board import get_or_create_board
 
 pytestmark = pytest.mark.slow
 
@@ -36,4 +44,62 @@ def test_a_pool_that_cannot_be_placed_is_a_timeout_naming_the_deployment(
         # still lives) for a replica it cannot place, and a later module's Serve would
         # connect to that dying controller.
         serve.delete("unplaceable")
+        serve.shutdown()
+
+
+def _running_replicas(board, app: str) -> set[str]:
+    return {s["replica_id"] for s in ray.get(board.snapshots.remote()) if s["app"] == app}
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 180.0):
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return found
+
+
+def test_a_serve_config_that_rescales_one_pool_keeps_its_running_replicas(
+    ray_cluster, smollm2_dir, serve_ports
+):
+    """The Helm chart's path: KubeRay (like `serve deploy`) hands Serve the config file.
+    Adding a replica must keep the running one, not replace every replica."""
+    # What `serve deploy`'s REST handler calls; there is no public Python call for it.
+    from ray.serve._private.api import serve_start
+
+    board_name = "baton-status-config-file"
+    pool = PoolConfig(kv_cache_bytes=KV)
+    config = AppConfig(
+        model=str(smollm2_dir), mode="aggregated", aggregated=pool, status_board_name=board_name
+    )
+    ports = {"http_port": serve_ports["http_port"], "grpc_port": serve_ports["grpc_port"]}
+    client = serve_start(
+        http_options={"host": "127.0.0.1", "port": ports["http_port"]},
+        grpc_options={
+            "port": ports["grpc_port"],
+            "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
+        },
+    )
+    board = get_or_create_board(board_name)
+
+    def deploy_and_wait(config: AppConfig, replicas: int) -> set[str]:
+        client.deploy_apps(ServeDeploySchema.model_validate(serve_config(config, **ports)))
+
+        def settled() -> set[str] | None:
+            app = serve.status().applications.get(APP_NAME)
+            running = _running_replicas(board, APP_NAME)
+            ok = app is not None and app.status == ApplicationStatus.RUNNING
+            return running if ok and len(running) == replicas else None
+
+        return _wait_for(settled, f"{replicas} running EngineServer replicas")
+
+    try:
+        (first,) = deploy_and_wait(config, 1)
+        two = pool.model_copy(update={"num_replicas": 2})
+        assert first in deploy_and_wait(config.model_copy(update={"aggregated": two}), 2)
+        with BatonClient(f"127.0.0.1:{ports['grpc_port']}") as baton:
+            request = generate_request("The capital of France is", max_tokens=4, temperature=0)
+            assert baton.generate_unary(request).usage.completion_tokens == 4
+    finally:
+        serve.delete(APP_NAME)
         serve.shutdown()

@@ -127,12 +127,16 @@ the replica takes replica.numGpus. Ray counts a pod's CPUs and GPUs from its lim
 {{- end }}
 {{- end }}
 
-{{/* One pool's AppConfig fields (serve_app.config.PoolConfig), as JSON. */}}
+{{/*
+One pool's AppConfig fields (serve_app.config.PoolConfig) but its scale, as JSON. The
+replica count and autoscaling are the deployment's overrides (baton.poolScale): Serve
+versions every deployment by the application's args, so a count there would restart
+every replica of every pool when one pool is rescaled.
+*/}}
 {{- define "baton.poolArgs" -}}
 {{- $pool := index .root.Values .role }}
 {{- $r := $pool.replica }}
 {{- $args := dict
-    "num_replicas" $pool.replicas
     "tensor_parallel_size" $pool.tensorParallelSize
     "num_cpus" $r.numCpus
     "num_gpus" $r.numGpus
@@ -144,13 +148,25 @@ the replica takes replica.numGpus. Ray counts a pod's CPUs and GPUs from its lim
     "dtype" $r.dtype
     "max_ongoing_requests" $r.maxOngoingRequests
     "graceful_shutdown_timeout_s" $r.gracefulShutdownTimeoutS }}
-{{- if $pool.autoscaling.enabled }}
-{{- $_ := set $args "autoscaling" (dict
-    "min_replicas" $pool.autoscaling.minReplicas
-    "max_replicas" $pool.autoscaling.maxReplicas
-    "target_ongoing_requests" $pool.autoscaling.targetOngoingRequests) }}
-{{- end }}
 {{- toJson $args }}
+{{- end }}
+
+{{/* One pool's Serve deployment override: its replica count or its autoscaling, as JSON
+(serve_app.serve_config.pool_scale). */}}
+{{- define "baton.poolScale" -}}
+{{- $pool := index .root.Values .role }}
+{{- $names := dict "aggregated" "EngineServer" "prefill" "PrefillServer" "decode" "DecodeServer" }}
+{{- $scale := dict "name" (get $names .role) "num_replicas" $pool.replicas }}
+{{- if $pool.autoscaling.enabled }}
+{{- $a := $pool.autoscaling }}
+{{- $_ := set $scale "num_replicas" nil }}
+{{- $_ := set $scale "autoscaling_config" (dict
+    "min_replicas" $a.minReplicas
+    "max_replicas" $a.maxReplicas
+    "initial_replicas" $pool.replicas
+    "target_ongoing_requests" $a.targetOngoingRequests) }}
+{{- end }}
+{{- toJson $scale }}
 {{- end }}
 
 {{/*
@@ -170,7 +186,6 @@ to equality, so a change to one must be made in the other.
     "stream_interval" $v.streamInterval
     "registry_name" $v.registryName
     "router" (dict
-      "num_replicas" $v.router.replicas
       "num_cpus" $v.router.numCpus
       "resources" $v.router.rayResources
       "max_ongoing_requests" $v.router.maxOngoingRequests) }}
@@ -180,8 +195,10 @@ to equality, so a change to one must be made in the other.
 {{- if $v.model.maxModelLen }}
 {{- $_ := set $args "max_model_len" $v.model.maxModelLen }}
 {{- end }}
+{{- $deployments := list (dict "name" "Router" "num_replicas" $v.router.replicas) }}
 {{- range $role := splitList "," (include "baton.roles" .) }}
 {{- $_ := set $args $role (include "baton.poolArgs" (dict "root" $ "role" $role) | fromJson) }}
+{{- $deployments = append $deployments (include "baton.poolScale" (dict "root" $ "role" $role) | fromJson) }}
 {{- end }}
 {{- $config := dict
     "proxy_location" "EveryNode"
@@ -196,7 +213,8 @@ to equality, so a change to one must be made in the other.
       "name" "baton"
       "route_prefix" "/"
       "import_path" "serve_app.app:build_app"
-      "args" $args)) }}
+      "args" $args
+      "deployments" $deployments)) }}
 {{- toYaml $config }}
 {{- end }}
 
