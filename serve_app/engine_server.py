@@ -37,6 +37,7 @@ from serve_app.protocol import EngineRequest, PrefillResult
 from serve_app.status_board import get_or_create_board
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import BlockHash
+from workers.engine.errors import InvalidRequestError
 from workers.engine.kv_transfer import StalePrefixError
 from workers.engine.kv_transport import KVRef, KVTransferError
 from workers.engine.outputs import RequestOutput
@@ -174,7 +175,7 @@ class EngineServer:
                 response.cancel()  # the prefill replica aborts its request too
                 raise
             except Exception as e:
-                if isinstance(root_cause(e), ValueError):
+                if isinstance(root_cause(e), InvalidRequestError):
                     raise  # the request's fault: recomputing would fail alike
                 async for out in self._recompute(request, e):
                     yield out

@@ -1,5 +1,6 @@
 """What a client is told when a request fails: a kind (mapped to a gRPC status or an HTTP
-code by each surface) and one clean line, never a traceback.
+code by each surface) and one clean line, never a traceback. Only an InvalidRequestError
+is the client's fault; any other exception, a stray ValueError included, is internal.
 
 Errors raised in a replica reach the router wrapped by Ray (`RayTaskError`, whose text
 embeds the remote traceback); the original exception is unwrapped first.
@@ -13,7 +14,7 @@ import logging
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from workers.engine.errors import EngineDeadError, EngineOverloadedError
+from workers.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def public_error(exc: BaseException) -> tuple[str, str]:
         return "overloaded", f"the service is at capacity; retry later ({_line(cause)})"
     if isinstance(cause, (EngineDeadError, RayActorError, DeploymentUnavailableError)):
         return "unavailable", f"no healthy replica could serve the request ({_line(cause)})"
-    if isinstance(cause, ValueError):
+    if isinstance(cause, InvalidRequestError):
         return "invalid", _line(cause)
     if isinstance(cause, asyncio.CancelledError):
         return "cancelled", "the request was cancelled"

@@ -11,6 +11,7 @@ import grpc
 from serve_app.errors import public_error
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.prompts import PromptInput
+from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 from workers.engine.sequence import FinishReason
@@ -36,7 +37,7 @@ def prompt_from_proto(request: pb.GenerateRequest | pb.TokenizeRequest) -> Promp
     if which == "token_ids":
         return PromptInput(token_ids=tuple(request.token_ids.ids))
     choices = ", ".join(f.name for f in oneof.fields)
-    raise ValueError(f"{oneof.name}: set one of {choices}")
+    raise InvalidRequestError(f"{oneof.name}: set one of {choices}")
 
 
 def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_app.prompts import PromptInput
+from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
@@ -54,7 +55,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-class RequestFieldError(ValueError):
+class RequestFieldError(InvalidRequestError):
     """A bad request; `param` names the field at fault (None: the body as a whole)."""
 
     def __init__(self, param: str | None, message: str):
@@ -142,7 +143,7 @@ class _Request(_Body):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
             )
-        except ValueError as e:
+        except InvalidRequestError as e:
             # The engine's ranges are the ones that count; its messages open with the
             # field's name, which is the request's too (chat's top_logprobs and
             # max_completion_tokens, named otherwise there, are checked before this).

@@ -12,9 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
+
 from serve_app.protocol import EngineRequest
 from serve_app.text_stream import TextStream, engine_params
 from workers.engine.block_hash import hash_full_blocks, root_hash
+from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import SamplingParams, check_request
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import Tokenizer, eos_token_ids
@@ -31,7 +34,9 @@ class PromptInput:
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.text, self.messages, self.token_ids)]
         if sum(given) != 1:
-            raise ValueError("prompt: give exactly one of text, chat messages or token ids")
+            raise InvalidRequestError(
+                "prompt: give exactly one of text, chat messages or token ids"
+            )
 
 
 class ModelFrontend:
@@ -54,18 +59,25 @@ class ModelFrontend:
             return list(prompt.token_ids)  # checked with the rest in build_request
         if prompt.messages is not None:
             if not prompt.messages:
-                raise ValueError("messages must hold at least one message")
+                raise InvalidRequestError("messages must hold at least one message")
             if not self.tokenizer.has_chat_template:
-                raise ValueError("this model has no chat template; send a text prompt instead")
+                raise InvalidRequestError(
+                    "messages: this model has no chat template; send a text prompt instead"
+                )
             roles = {"system", "user", "assistant", "tool", "developer"}
             for i, (role, _) in enumerate(prompt.messages):
                 if role not in roles:
-                    raise ValueError(
+                    raise InvalidRequestError(
                         f"messages[{i}].role must be one of {sorted(roles)}, got {role!r}"
                     )
-            return self.tokenizer.encode_chat(
-                [{"role": r, "content": c} for r, c in prompt.messages]
-            )
+            try:
+                return self.tokenizer.encode_chat(
+                    [{"role": r, "content": c} for r, c in prompt.messages]
+                )
+            except jinja2.TemplateError as e:  # e.g. the template's raise_exception()
+                raise InvalidRequestError(
+                    f"messages: the model's chat template refused them: {e}"
+                ) from e
         return self.tokenizer.encode(prompt.text)
 
     def build_request(
@@ -75,7 +87,7 @@ class ModelFrontend:
         params: SamplingParams,
         cache_salt: str | None,
     ) -> EngineRequest:
-        """Checks a tokenized request; ValueError naming the field if it cannot run. The
+        """Checks a tokenized request; InvalidRequestError naming the field if it cannot run. The
         engine is asked for it without stop strings: the router applies them (TextStream)."""
         check_request(ids, params, self.vocab_size, self.max_model_len)
         hashes = hash_full_blocks(ids, self.block_size, root_hash(self.model_id, cache_salt))

@@ -41,6 +41,7 @@ from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_regist
 from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
 from serve_app.text_stream import TextStream
+from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.model.loader import model_identity
@@ -335,7 +336,7 @@ class Router:
             try:
                 body = await raw.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ValueError("the request body must be a JSON object") from None
+                raise InvalidRequestError("the request body must be a JSON object") from None
             req = openai_api.parse(model, body)
             if req.model != self.served_model_name:
                 message = f"model {req.model!r} is not served here; use {self.served_model_name!r}"

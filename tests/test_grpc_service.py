@@ -16,7 +16,7 @@ from serve_app.grpc_service import (
     response_from_outputs,
     status_for,
 )
-from workers.engine.errors import EngineDeadError, EngineOverloadedError
+from workers.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason
@@ -89,7 +89,10 @@ def _wrapped(exc: BaseException) -> RayTaskError:
 @pytest.mark.parametrize(
     ("exc", "code"),
     [
-        (ValueError("top_p must be in (0, 1], got 5"), grpc.StatusCode.INVALID_ARGUMENT),
+        (InvalidRequestError("top_p must be in (0, 1], got 5"), grpc.StatusCode.INVALID_ARGUMENT),
+        # Only the client's error is INVALID_ARGUMENT: a ValueError from anywhere else is
+        # the service's bug (say, a metric's inc(0)), not a bad request.
+        (ValueError("value must be >0, got 0"), grpc.StatusCode.INTERNAL),
         (EngineOverloadedError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (EngineDeadError("dead"), grpc.StatusCode.UNAVAILABLE),
         (asyncio.CancelledError(), grpc.StatusCode.CANCELLED),
@@ -101,5 +104,5 @@ def test_errors_map_to_status_codes_without_tracebacks(exc, code):
         got, message = status_for(raised)
         assert got == code
         assert "Traceback" not in message and "\n" not in message
-    if isinstance(exc, ValueError):
+    if isinstance(exc, InvalidRequestError):
         assert status_for(_wrapped(exc))[1] == str(exc)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tiny_model import make_tiny_model
 
@@ -9,6 +11,7 @@ from serve_app.prompts import ModelFrontend, PromptInput
 from workers.engine.block_hash import hash_full_blocks, root_hash
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
+from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -42,7 +45,7 @@ def test_block_hashes_are_the_engines_hashes_under_the_salt(frontend):
 
 def test_out_of_vocabulary_token_ids_are_refused(frontend):
     ids = frontend.tokenize(PromptInput(token_ids=(1, 999)))
-    with pytest.raises(ValueError, match="prompt token ids must be in"):
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be in"):
         frontend.build_request("r", ids, SamplingParams(max_tokens=2), None)
 
 
@@ -54,21 +57,36 @@ def test_out_of_vocabulary_token_ids_are_refused(frontend):
     ],
 )
 def test_bad_prompts_name_the_field(frontend, prompt, named):
-    with pytest.raises(ValueError, match=named.replace("[", r"\[")):
+    with pytest.raises(InvalidRequestError, match=named.replace("[", r"\[")):
         frontend.tokenize(prompt)
 
 
 def test_requests_beyond_the_context_or_vocabulary_are_refused(frontend):
-    with pytest.raises(ValueError, match="exceeds the context length 256"):
+    with pytest.raises(InvalidRequestError, match="exceeds the context length 256"):
         frontend.build_request("r", [1] * 200, SamplingParams(max_tokens=100), None)
-    with pytest.raises(ValueError, match="stop_token_ids"):
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         frontend.build_request("r", [1], SamplingParams(stop_token_ids=(5000,)), None)
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(InvalidRequestError, match="at least one token"):
         frontend.build_request("r", [], SamplingParams(), None)
 
 
 def test_a_prompt_is_exactly_one_kind():
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(InvalidRequestError, match="exactly one"):
         PromptInput(text="a", token_ids=(1,))
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(InvalidRequestError, match="exactly one"):
         PromptInput()
+
+
+def test_a_chat_template_that_refuses_the_messages_is_the_clients_error(tmp_path):
+    model_dir = make_tiny_model(tmp_path)
+    template = (
+        "{% if messages[0]['role'] != 'user' %}"
+        "{{ raise_exception('Conversations must start with a user message') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    config = {"chat_template": template, "eos_token": "<|endoftext|>"}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    frontend = ModelFrontend(model_dir, "tiny-id", block_size=4, max_model_len=256)
+    assert frontend.tokenize(PromptInput(messages=(("user", "hi"),)))
+    with pytest.raises(InvalidRequestError, match="^messages: .*must start with a user message"):
+        frontend.tokenize(PromptInput(messages=(("assistant", "hi"),)))

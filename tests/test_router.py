@@ -9,13 +9,14 @@ import pytest
 
 from serve_app import openai_api
 from serve_app.router import _http_error, _sse
+from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
 
 
 def test_an_error_mid_stream_is_an_openai_error_event_then_done():
     async def rest():
         yield RequestOutput("r", [8], "lo")
-        raise ValueError("stop_token_ids: 99999 is not a token id")
+        raise InvalidRequestError("stop_token_ids: 99999 is not a token id")
 
     async def events():
         builder = openai_api.ResponseBuilder(False, "r", "m", str, bytes)
@@ -29,7 +30,7 @@ def test_an_error_mid_stream_is_an_openai_error_event_then_done():
 
 
 def test_an_http_error_names_the_field_at_fault_as_its_param():
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(InvalidRequestError) as refused:
         body = {"model": "m", "prompt": "x", "max_tokens": 0}
         openai_api.parse(openai_api.CompletionRequest, body)
     response = _http_error(refused.value)

@@ -16,6 +16,7 @@ import torch
 from workers.engine.block_hash import BlockHash
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.errors import InvalidRequestError
 from workers.engine.handoff import HeldHandoffs, KVImports
 from workers.engine.kv_cache_manager import KVCacheManager, KVEventCallback
 from workers.engine.kv_transfer import KVHandle, KVLayout
@@ -149,14 +150,16 @@ class LLMEngine:
     ) -> Sequence:
         """A checked request's sequence (not queued yet); ValueError naming a bad field."""
         if request_id in self._requests or request_id in self.handoffs:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         check_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt)}")
+            raise InvalidRequestError(
+                f"cache_salt must be a string or None, got {type(cache_salt)}"
+            )
         total = len(prompt) + params.max_tokens
         if self.kv.blocks_for_tokens(total) > self.kv.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt + max_tokens = {total} tokens exceeds the KV cache "
                 f"({self.kv.num_blocks * self.kv.block_size} tokens); lower max_tokens"
             )

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+class InvalidRequestError(ValueError):
+    """A request that can never run as given, its message naming the field and the allowed
+    range: the client's to fix (gRPC INVALID_ARGUMENT, HTTP 400). Any other exception in
+    serving a request is the service's fault, however it is typed."""
+
+
 class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting for a slot; retry later (gRPC RESOURCE_EXHAUSTED, HTTP 503)."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.engine.errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
 # Below this, logits / temperature overflows float32; such requests mean greedy.
 MIN_TEMPERATURE = 1e-5
@@ -29,10 +31,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         for name in ("temperature", "top_p"):
             if not _is_number(getattr(self, name)):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+                raise InvalidRequestError(f"{name} must be a number, got {getattr(self, name)!r}")
         for name in ("max_tokens", "top_k", "seed", "logprobs"):
             if isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+                raise InvalidRequestError(f"{name} must be an integer, got {getattr(self, name)!r}")
         self._validate()
 
     @property
@@ -41,31 +43,41 @@ class SamplingParams:
 
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidRequestError(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
         if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+            raise InvalidRequestError(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise InvalidRequestError(
+                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
+            )
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.logprobs is not None and not (
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+            raise InvalidRequestError(
+                f"stop must be a list of non-empty strings, got {list(self.stop)!r}"
+            )
         if any(not isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}")
+            raise InvalidRequestError(
+                f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}"
+            )
 
     def check_against(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in its vocabulary."""
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
 
 
 def check_request(
@@ -74,14 +86,14 @@ def check_request(
     """What every request must satisfy on this model, wherever it is checked first (the
     router, before it costs a replica anything; the engine, for any other caller)."""
     if not prompt_token_ids:
-        raise ValueError("prompt must contain at least one token")
+        raise InvalidRequestError("prompt must contain at least one token")
     bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
     params.check_against(vocab_size)
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
-        raise ValueError(
+        raise InvalidRequestError(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
             f"{total} exceeds the context length {max_model_len}; shorten the prompt or "
             "lower max_tokens"
@@ -101,7 +113,7 @@ def _is_number(value: object) -> bool:
 def _as_tuple(value: object, name: str) -> tuple:
     if isinstance(value, (list, tuple)):
         return tuple(value)
-    raise ValueError(f"{name} must be a list, got {value!r}")
+    raise InvalidRequestError(f"{name} must be a list, got {value!r}")
 
 
 @dataclass(frozen=True)
