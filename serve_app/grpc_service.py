@@ -40,12 +40,18 @@ def prompt_from_proto(request: pb.GenerateRequest | pb.TokenizeRequest) -> Promp
     raise InvalidRequestError(f"{oneof.name}: set one of {choices}")
 
 
-def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
+def params_from_proto(request: pb.GenerateRequest, room: int) -> SamplingParams:
+    """The request's sampling parameters; `room` is what the context has left after its
+    prompt. Unset, max_tokens is DEFAULT_MAX_TOKENS or that room, whichever is less."""
+
     def opt(name: str, default):
         return getattr(request, name) if request.HasField(name) else default
 
+    if not request.HasField("max_tokens") and room < 1:
+        # Else the engine's refusal would blame a max_tokens the client never sent.
+        raise InvalidRequestError("prompt: fills the model's whole context; shorten it")
     return SamplingParams(
-        max_tokens=opt("max_tokens", DEFAULT_MAX_TOKENS),
+        max_tokens=opt("max_tokens", min(DEFAULT_MAX_TOKENS, room)),
         temperature=opt("temperature", 1.0),
         top_p=opt("top_p", 1.0),
         top_k=request.top_k,

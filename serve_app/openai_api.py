@@ -169,11 +169,11 @@ class CompletionRequest(_Request):
         return PromptInput(token_ids=tuple(self.prompt))
 
     def sampling_params(self, room: int) -> SamplingParams:
-        """`room`: tokens the context has left after the prompt (unused: OpenAI's default
-        for completions is 16 tokens)."""
+        """`room`: tokens the context has left after the prompt. Unsent, max_tokens is
+        OpenAI's 16, or less where the context has less room (as in vLLM)."""
         max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, _room_left("prompt", room))
         return self._params(max_tokens, self.logprobs)
 
 
@@ -217,13 +217,19 @@ class ChatCompletionRequest(_Request):
         if max_tokens is None:
             max_tokens = self.max_tokens
         if max_tokens is None:
-            if room < 1:  # else the engine's refusal would blame a max_tokens never sent
-                raise RequestFieldError(
-                    "messages", "messages: the prompt fills the model's whole context; shorten it"
-                )
-            max_tokens = room
+            max_tokens = _room_left("messages", room)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs)
+
+
+def _room_left(prompt_field: str, room: int) -> int:
+    """The context's room after the prompt, for a request that sent no max_tokens; a
+    prompt that leaves none is blamed, not the max_tokens the client never sent."""
+    if room < 1:
+        raise RequestFieldError(
+            prompt_field, f"{prompt_field}: the prompt fills the model's whole context; shorten it"
+        )
+    return room
 
 
 _FIELDS = {

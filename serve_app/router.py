@@ -207,7 +207,7 @@ class Router:
         try:
             prompt = prompt_from_proto(request)
             ids = self.frontend.tokenize(prompt)
-            params = params_from_proto(request)
+            params = params_from_proto(request, self.frontend.max_model_len - len(ids))
             engine_request, text = await self._engine_request(
                 ids, params, request.cache_salt or None
             )

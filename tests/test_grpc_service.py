@@ -23,20 +23,28 @@ from workers.engine.sequence import FinishReason
 
 
 def test_unset_optional_fields_take_the_defaults_and_set_ones_are_kept():
-    params = params_from_proto(pb.GenerateRequest(text="x"))
+    params = params_from_proto(pb.GenerateRequest(text="x"), room=1000)
     assert (params.max_tokens, params.temperature, params.top_p) == (DEFAULT_MAX_TOKENS, 1.0, 1.0)
     assert params.seed is None and params.logprobs is None and params.skip_special_tokens
     request = pb.GenerateRequest(
         text="x", max_tokens=7, temperature=0.0, seed=3, logprobs=2, stop=["\n"], top_k=5
     )
-    params = params_from_proto(request)
+    params = params_from_proto(request, room=1000)
     assert (params.max_tokens, params.temperature, params.seed, params.logprobs) == (7, 0.0, 3, 2)
     assert params.stop == ("\n",) and params.top_k == 5
 
 
 def test_an_explicit_zero_is_not_mistaken_for_unset():
     with pytest.raises(ValueError, match="max_tokens"):
-        params_from_proto(pb.GenerateRequest(text="x", max_tokens=0))
+        params_from_proto(pb.GenerateRequest(text="x", max_tokens=0), room=1000)
+
+
+def test_an_unset_max_tokens_fits_the_room_the_prompt_leaves():
+    assert params_from_proto(pb.GenerateRequest(text="x"), room=40).max_tokens == 40
+    with pytest.raises(InvalidRequestError, match="^prompt: fills the model's whole context"):
+        params_from_proto(pb.GenerateRequest(text="x"), room=0)
+    # Sent, it is the client's: the engine's check then names the prompt and that budget.
+    assert params_from_proto(pb.GenerateRequest(text="x", max_tokens=9), room=0).max_tokens == 9
 
 
 def test_each_prompt_kind_converts_and_a_missing_prompt_is_refused():

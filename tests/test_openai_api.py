@@ -80,6 +80,15 @@ def test_chat_max_completion_tokens_wins_over_the_deprecated_max_tokens(fields, 
     assert req.sampling_params(room=77).max_tokens == expected
 
 
+def test_completions_default_to_16_tokens_or_the_room_left():
+    req = parse(CompletionRequest, _completion())
+    assert req.sampling_params(room=1000).max_tokens == 16
+    assert req.sampling_params(room=5).max_tokens == 5
+    with pytest.raises(RequestFieldError, match="^prompt: the prompt fills") as refused:
+        req.sampling_params(room=0)
+    assert refused.value.param == "prompt"
+
+
 def test_a_chat_prompt_that_fills_the_context_is_blamed_not_an_unsent_max_tokens():
     with pytest.raises(RequestFieldError, match="^messages: the prompt fills") as refused:
         parse(ChatCompletionRequest, _chat()).sampling_params(room=0)
