@@ -35,7 +35,7 @@ def test_worker_groups_host_their_pools(chart, values):
     groups = _groups(rayservice)
     pools = app_config_of(_serve_config(rayservice)["applications"][0]).pools()
     assert set(groups) == set(pools)
-    any_autoscaling = False
+    surge = merged["rayAutoscaler"]["surgePods"]
     for role, pool in pools.items():
         group, v = groups[role], merged[role]
         # The replica's custom resource is offered by its own group's pods and no other's.
@@ -46,9 +46,10 @@ def test_worker_groups_host_their_pools(chart, values):
         # One replica per pod: the worker group follows the Serve pool's counts.
         assert group["replicas"] == pool.num_replicas
         if pool.autoscaling is None:
-            assert group["minReplicas"] == group["maxReplicas"] == pool.num_replicas
+            # Headroom: a shrinking group never forces a pod out before its replica drained.
+            assert group["minReplicas"] == pool.num_replicas
+            assert group["maxReplicas"] == pool.num_replicas + surge
         else:
-            any_autoscaling = True
             assert group["minReplicas"] == pool.autoscaling.min_replicas
             assert group["maxReplicas"] == pool.autoscaling.max_replicas
         pod = group["template"]["spec"]
@@ -61,8 +62,10 @@ def test_worker_groups_host_their_pools(chart, values):
     cluster = rayservice["spec"]["rayClusterConfig"]
     # The head offers no pool resource, so no engine replica ever lands there.
     assert "resources" not in cluster["headGroupSpec"]["rayStartParams"]
-    assert cluster["enableInTreeAutoscaling"] is any_autoscaling
-    assert ("autoscalerOptions" in cluster) is any_autoscaling
+    # Always on: without it, KubeRay deletes pods of its own choosing when a group shrinks.
+    assert cluster["enableInTreeAutoscaling"] is True
+    options = cluster["autoscalerOptions"]
+    assert options["idleTimeoutSeconds"] == merged["rayAutoscaler"]["idleTimeoutSeconds"]
 
 
 def test_multi_gpu_group_requests_its_gpus(chart):
@@ -87,9 +90,9 @@ def test_one_value_scales_one_pool(chart):
     assert app_after == app_before
     groups = _groups(after)
     assert groups["prefill"]["replicas"] == groups["prefill"]["minReplicas"] == 4
-    assert groups["prefill"]["maxReplicas"] == 4
+    assert groups["prefill"]["maxReplicas"] == 5
     for key in ("replicas", "minReplicas", "maxReplicas"):
-        groups["prefill"][key] = 1
+        groups["prefill"][key] -= 3
     del before["spec"]["serveConfigV2"], after["spec"]["serveConfigV2"]
     assert after == before
 

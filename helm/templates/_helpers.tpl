@@ -44,15 +44,6 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if eq .Values.mode "aggregated" }}aggregated{{ else }}prefill,decode{{ end }}
 {{- end }}
 
-{{/* "true" when any deployed pool autoscales: KubeRay's autoscaler must then add pods. */}}
-{{- define "baton.autoscaling" -}}
-{{- $on := false }}
-{{- range $role := splitList "," (include "baton.roles" .) }}
-{{- if (index $.Values $role).autoscaling.enabled }}{{ $on = true }}{{ end }}
-{{- end }}
-{{- $on }}
-{{- end }}
-
 {{/*
 Checks the schema cannot express (relations between values); fails the render with a
 message naming the value. Included once, from the RayService template.
