@@ -61,6 +61,11 @@ def params_from_proto(request: pb.GenerateRequest, room: int) -> SamplingParams:
         stop=tuple(request.stop),
         logprobs=opt("logprobs", None),
         skip_special_tokens=opt("skip_special_tokens", True),
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=opt("repetition_penalty", 1.0),
+        min_p=request.min_p,
+        logit_bias=dict(request.logit_bias),
     )
 
 

@@ -26,7 +26,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 _STRUCTURED = "structured output is not supported"
 _TOOLS = "tool calling is not supported"
-_PENALTIES = "penalties are not implemented"
 # Fields the engine cannot honour: (the values that ask for nothing, why). Absent or null
 # is always accepted; anything else is refused, for a client that sets one expects its
 # effect. parallel_tool_calls is not here: it only matters with tools, which are refused.
@@ -35,12 +34,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "one candidate per request"),
     "echo": ((False,), "the prompt is not echoed back"),
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "presence_penalty": ((0,), _PENALTIES),
-    "frequency_penalty": ((0,), _PENALTIES),
-    "repetition_penalty": ((1,), _PENALTIES),
-    "min_p": ((0,), "min-p sampling is not implemented"),
     "min_tokens": ((0,), "a minimum output length is not implemented"),
-    "logit_bias": (({},), "logit bias is not implemented"),
     "tools": (([],), _TOOLS),
     "tool_choice": (("none",), _TOOLS),
     "functions": (([],), _TOOLS),  # the deprecated form of tools
@@ -103,7 +97,13 @@ class _Request(_Body):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Token ids (JSON object keys, so strings) to a bias in [-100, 100].
+    logit_bias: dict[str, float] = Field(default_factory=dict)
     # Extensions (as vLLM names them).
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     top_k: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -130,6 +130,7 @@ class _Request(_Body):
 
     def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        logit_bias = self._logit_bias()
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -142,6 +143,11 @@ class _Request(_Body):
                 stop=tuple(stop),
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                min_p=self.min_p,
+                logit_bias=logit_bias,
             )
         except InvalidRequestError as e:
             # The engine's ranges are the ones that count; its messages open with the
@@ -150,6 +156,14 @@ class _Request(_Body):
             name = str(e).split(" ", 1)[0]
             raise RequestFieldError(
                 name if name in type(self).model_fields else None, str(e)
+            ) from None
+
+    def _logit_bias(self) -> dict[int, float]:
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise RequestFieldError(
+                "logit_bias", "logit_bias: keys must be token ids (integers, as strings)"
             ) from None
 
 

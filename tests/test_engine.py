@@ -208,3 +208,19 @@ def test_generate_adds_all_prompts_or_none(model_dir):
         engine.generate([[5, 6, 7], []], GREEDY)
     assert not engine.has_unfinished()
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_penalties_and_logit_bias_steer_decoding_whatever_the_batch(model_dir):
+    prompts = random_prompts(4)
+    forced = SamplingParams(**{**vars(GREEDY), "logit_bias": {7: 100.0}})
+    assert _outputs(_engine(model_dir), prompts[:1], forced)[0] == [7] * GREEDY.max_tokens
+    plain = _outputs(_engine(model_dir), prompts[:1])[0]
+    # A strong repetition penalty (on prompt and output) leaves greedy no repeat to pick.
+    penalised = SamplingParams(**{**vars(GREEDY), "repetition_penalty": 10.0})
+    alone = _outputs(_engine(model_dir), prompts[:1], penalised)[0]
+    assert len(set(plain)) < len(plain) and len(set(alone)) == len(alone)
+    assert not set(alone) & set(prompts[0])
+    batch = _engine(model_dir).generate(prompts, [penalised, GREEDY, forced, GREEDY])
+    assert batch[0].output_token_ids == alone
+    assert batch[2].output_token_ids == [7] * GREEDY.max_tokens
+    assert batch[1].output_token_ids == _outputs(_engine(model_dir), prompts[1:2])[0]

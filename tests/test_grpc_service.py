@@ -39,6 +39,25 @@ def test_an_explicit_zero_is_not_mistaken_for_unset():
         params_from_proto(pb.GenerateRequest(text="x", max_tokens=0), room=1000)
 
 
+def test_penalties_min_p_and_logit_bias_convert_and_default_to_off():
+    off = params_from_proto(pb.GenerateRequest(text="x"), room=100)
+    assert not off.adjusts_logits and off.min_p == 0.0 and off.repetition_penalty == 1.0
+    request = pb.GenerateRequest(
+        text="x",
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.25,
+        min_p=0.125,
+        logit_bias={7: 2.5, 3: -100.0},
+    )
+    params = params_from_proto(request, room=100)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert (params.repetition_penalty, params.min_p) == (1.25, 0.125)
+    assert params.logit_bias == ((3, -100.0), (7, 2.5))
+    with pytest.raises(InvalidRequestError, match=r"repetition_penalty must be in \(0, 10\]"):
+        params_from_proto(pb.GenerateRequest(text="x", repetition_penalty=0.0), room=100)
+
+
 def test_an_unset_max_tokens_fits_the_room_the_prompt_leaves():
     assert params_from_proto(pb.GenerateRequest(text="x"), room=40).max_tokens == 40
     with pytest.raises(InvalidRequestError, match="^prompt: fills the model's whole context"):

@@ -56,6 +56,8 @@ def test_stop_conditions_and_max_tokens_1_match_a_single_engine(model_dir):
         SamplingParams(**{**vars(GREEDY), "stop": [text[3:6]]}),
         SamplingParams(max_tokens=1, temperature=0.0),
         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        # Penalties read the prompt and the output so far, on both sides of the handoff.
+        SamplingParams(**{**vars(GREEDY), "presence_penalty": 2.0, "repetition_penalty": 3.0}),
     ]
     for i, params in enumerate(cases):
         expected = _single(single, prompt, params)

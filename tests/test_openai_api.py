@@ -97,6 +97,41 @@ def test_a_chat_prompt_that_fills_the_context_is_blamed_not_an_unsent_max_tokens
     assert parse(ChatCompletionRequest, _chat(max_tokens=5)).sampling_params(0).max_tokens == 5
 
 
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_penalties_min_p_and_logit_bias_reach_the_sampler(model):
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.2,
+        "min_p": 0.05,
+        "logit_bias": {"50256": -100, "7": 2.5},
+    }
+    body = (_chat if model is ChatCompletionRequest else _completion)(**fields)
+    params = parse(model, body).sampling_params(room=100)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert (params.repetition_penalty, params.min_p) == (1.2, 0.05)
+    assert params.logit_bias == ((7, 2.5), (50256, -100.0))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", float("inf"), "frequency_penalty"),
+        ("repetition_penalty", 0, "repetition_penalty must be in (0, 10]"),
+        ("min_p", 1.5, "min_p must be in [0, 1]"),
+        ("logit_bias", {"7": 101}, "logit_bias must map token ids to numbers in [-100, 100]"),
+        ("logit_bias", {"seven": 1}, "logit_bias: keys must be token ids"),
+        ("logit_bias", {"7": "1"}, "logit_bias"),
+    ],
+)
+def test_out_of_range_penalties_and_biases_name_the_field(field, value, named):
+    with pytest.raises(RequestFieldError) as refused:
+        parse(CompletionRequest, _completion(**{field: value})).sampling_params(room=100)
+    assert refused.value.param is not None and refused.value.param.startswith(field)
+    assert named in str(refused.value)
+
+
 def test_null_means_the_default_for_every_optional_field():
     common = dict.fromkeys(
         ["max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed"]
@@ -174,12 +209,7 @@ def test_schema_errors_name_the_field_in_the_message_and_the_param(model, body, 
         (CompletionRequest, "best_of", 3, "accepted: 1"),
         (CompletionRequest, "echo", True, "accepted: false"),
         (CompletionRequest, "suffix", "end", 'accepted: ""'),
-        (CompletionRequest, "presence_penalty", 0.5, "accepted: 0"),
-        (ChatCompletionRequest, "frequency_penalty", float("inf"), "accepted: 0"),
-        (ChatCompletionRequest, "repetition_penalty", 1.1, "accepted: 1"),
-        (CompletionRequest, "min_p", 0.05, "accepted: 0"),
         (ChatCompletionRequest, "min_tokens", 4, "accepted: 0"),
-        (ChatCompletionRequest, "logit_bias", {"50256": -100}, "accepted: {}"),
         (ChatCompletionRequest, "tools", [{"type": "function"}], "accepted: []"),
         (ChatCompletionRequest, "tool_choice", "auto", 'accepted: "none"'),
         (ChatCompletionRequest, "tool_choice", "required", 'accepted: "none"'),

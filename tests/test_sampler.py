@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from workers.engine.sampler import apply_top_k, apply_top_p, greedy, sample
+from workers.engine.sampler import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    greedy,
+    sample,
+)
 from workers.engine.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -269,3 +276,55 @@ def test_greedy_equals_argmax_and_breaks_ties_low(vocab):
     tied[0, [70, 5, 500]] = 2.0
     tied[1, [vocab - 1, 64]] = 1.0
     assert greedy(tied).tolist() == [5, 64]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(6)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, params, prompt_ids=[4, 4], output_ids=[1, 2, 2, 2])
+    assert out.tolist() == [0.0, -0.75, -1.25, 0.0, 0.0, 0.0]
+    assert logits.tolist() == [0.0] * 6  # the input is left alone
+
+
+def test_repetition_penalty_shrinks_seen_logits_towards_zero_either_side():
+    logits = torch.tensor([2.0, -2.0, 2.0, -2.0])
+    out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), [0], [1, 1])
+    assert out.tolist() == [1.0, -4.0, 2.0, -2.0]
+
+
+def test_logit_bias_is_added_before_the_penalties():
+    logits = torch.tensor([1.0, 1.0, 1.0])
+    params = SamplingParams(logit_bias={0: 3.0, 2: -5.0}, repetition_penalty=2.0)
+    out = apply_penalties(logits, params, prompt_ids=[0, 2], output_ids=[])
+    assert out.tolist() == [2.0, 1.0, -8.0]
+
+
+def test_penalties_steer_greedy_and_leave_other_rows_and_logprobs_alone():
+    logits = torch.tensor([[3.0, 2.9, 0.0], [3.0, 2.9, 0.0]])
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0),
+        SamplingParams(temperature=0.0),
+    ]
+    history = [([2], [0]), ([2], [0])]
+    out = sample(logits, params, [None, None], _default(), history)
+    assert out.token_ids == [1, 0]
+    # Reported logprobs are the model's own, as vLLM's default.
+    assert out.logprobs[0].logprob == pytest.approx(float(logits[0].log_softmax(0)[1]))
+
+
+def test_a_large_negative_bias_bans_a_token_and_a_positive_one_forces_it():
+    logits = _logits(500, seed=9)
+    ban = [SamplingParams(logit_bias={int(t): -100.0}) for t in logits.argmax(dim=1)]
+    out = sample(logits, ban, [None] * 500, _default(), [([], [])] * 500)
+    assert all(t != int(a) for t, a in zip(out.token_ids, logits.argmax(dim=1), strict=True))
+    force = [SamplingParams(logit_bias={5: 100.0})] * 500
+    assert set(sample(logits, force, [None] * 500, _default(), [([], [])] * 500).token_ids) == {5}
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_one():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = apply_min_p(probs, torch.tensor([0.2]))
+    assert torch.equal(kept, torch.tensor([[0.5, 0.3, 0.15, 0.0]]))
+    logits = _probs_logits([0.5, 0.3, 0.15, 0.05]).expand(2000, -1).clone()
+    out = sample(logits, [SamplingParams(min_p=0.5)] * 2000, [None] * 2000, _default())
+    assert set(out.token_ids) == {0, 1}

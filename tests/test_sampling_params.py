@@ -32,6 +32,13 @@ from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
         ("seed", -1, "seed must be an integer in [0, 2**63)"),
         ("seed", 2**63, "seed must be an integer in [0, 2**63)"),
         ("seed", 1.5, "seed must be an integer in [0, 2**63)"),
+        ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", -2.01, "frequency_penalty must be in [-2, 2]"),
+        ("frequency_penalty", math.nan, "frequency_penalty must be in [-2, 2]"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 10]"),
+        ("repetition_penalty", 11.0, "repetition_penalty must be in (0, 10]"),
+        ("min_p", -0.1, "min_p must be in [0, 1]"),
+        ("min_p", 1.5, "min_p must be in [0, 1]"),
     ],
 )
 def test_bad_value_names_field_and_range(field, value, message):
@@ -69,6 +76,8 @@ def test_non_integer_stop_token_id_is_rejected():
         {"seed": 2**63 - 1},
         {"stop": ["a", "bc"], "stop_token_ids": [0, 5]},
         {"ignore_eos": True, "skip_special_tokens": False},
+        {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+        {"repetition_penalty": 1.3, "min_p": 0.05},
     ],
 )
 def test_valid_values_pass(kwargs):
@@ -148,3 +157,28 @@ def test_wrong_types_are_value_errors_naming_the_field(kwargs, field):
     # would surface as an internal error.
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("bias", [{3: 101.0}, {"3": 1.0}, {True: 1.0}, {3: math.nan}, [(3,)]])
+def test_a_bad_logit_bias_names_the_field_and_range(bias):
+    with pytest.raises(ValueError, match=re.escape("logit_bias must map token ids to numbers")):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_is_frozen_sorted_and_checked_against_the_vocab():
+    params = SamplingParams(logit_bias={7: -100, 2: 5})
+    assert params.logit_bias == ((2, 5.0), (7, -100.0)) and params.adjusts_logits
+    assert SamplingParams(logit_bias=[[7, -100], [2, 5]]) == params
+    params.check_against(vocab_size=8)
+    with pytest.raises(ValueError, match=re.escape("logit_bias token ids must be in [0, 7)")):
+        params.check_against(vocab_size=7)
+
+
+def test_only_penalties_and_bias_adjust_the_logits():
+    assert not SamplingParams(min_p=0.2, top_k=3, temperature=0.5).adjusts_logits
+    for kwargs in (
+        {"presence_penalty": 0.1},
+        {"frequency_penalty": -1},
+        {"repetition_penalty": 1.1},
+    ):
+        assert SamplingParams(**kwargs).adjusts_logits

@@ -232,6 +232,7 @@ class LLMEngine:
             [seq.params for seq in sampling],
             [seq.generator for seq in sampling],
             self._generator,
+            [(seq.prompt_token_ids, seq.output_token_ids) for seq in sampling],
         )
         now = time.monotonic()
         return outputs + [

@@ -34,6 +34,26 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return tile * _ARGMAX_TILE + within
 
 
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """One row's logits after its logit bias, repetition penalty (prompt and output tokens)
+    and presence and frequency penalties (output tokens), in that order, as vLLM."""
+    logits = logits.clone()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        logits.index_add_(0, torch.tensor(ids), torch.tensor(bias, dtype=logits.dtype))
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.long)
+        values = logits[seen]
+        penalty = params.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return logits
+
+
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return logits / temperature.unsqueeze(1)
 
@@ -58,6 +78,12 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop_sorted = mass_before >= top_p.unsqueeze(1)
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes each row's tokens less likely than `min_p` times its most likely one."""
+    floor = min_p.unsqueeze(1) * probs.amax(dim=1, keepdim=True)
+    return probs.masked_fill(probs < floor, 0.0)
 
 
 def sample_from_probs(
@@ -100,9 +126,18 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
+    history: list[tuple[list[int], list[int]]] | None = None,
 ) -> SamplerOutput:
-    """logits: [B, V] float32, one row per request that samples this step."""
-    logits = logits.float()
+    """logits: [B, V] float32, one row per request that samples this step. `history`:
+    each row's (prompt, output) token ids, needed by rows with penalties. Logprobs are
+    the model's own (before penalties and bias), as vLLM reports them by default."""
+    raw = logits = logits.float()
+    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if adjusted:
+        assert history is not None and len(history) == len(params)
+        logits = raw.clone()
+        for i in adjusted:
+            logits[i] = apply_penalties(raw[i], params[i], *history[i])
     token_ids = greedy(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -113,11 +148,14 @@ def sample(
             sub = apply_top_k(sub, torch.tensor([p.top_k for p in picked]))
         if any(p.top_p < 1.0 for p in picked):
             sub = apply_top_p(sub, torch.tensor([p.top_p for p in picked]))
+        probs = sub.softmax(dim=1)
+        if any(p.min_p > 0.0 for p in picked):
+            probs = apply_min_p(probs, torch.tensor([p.min_p for p in picked]))
         token_ids[rows] = sample_from_probs(
-            sub.softmax(dim=1), [generators[i] for i in random_rows], default_generator
+            probs, [generators[i] for i in random_rows], default_generator
         )
     counts = [p.logprobs for p in params]
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if any(c is not None for c in counts):
-        logprobs = top_logprobs(logits.log_softmax(dim=1), token_ids, counts)
+        logprobs = top_logprobs(raw.log_softmax(dim=1), token_ids, counts)
     return SamplerOutput(token_ids.tolist(), logprobs)

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from workers.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_REPETITION_PENALTY = 10.0
 # Below this, logits / temperature overflows float32; such requests mean greedy.
 MIN_TEMPERATURE = 1e-5
 
@@ -23,23 +27,50 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top-n alternatives returned with each sampled token
     skip_special_tokens: bool = True
+    # Subtracted from a token's logit once if it was generated before (presence) and
+    # per time it was (frequency): OpenAI's penalties, on the output so far.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # CTRL's penalty (as in transformers and vLLM) on every token of prompt and output:
+    # a positive logit is divided by it, a negative one multiplied; 1 is off.
+    repetition_penalty: float = 1.0
+    # Drops tokens less likely than min_p times the most likely one; 0 is off.
+    min_p: float = 0.0
+    # (token id, bias) pairs added to the logits before anything else.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
-    # Lists are accepted for convenience and frozen into tuples.
+    # Lists (and a dict for logit_bias) are accepted for convenience and frozen.
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         object.__setattr__(self, "stop", stop)
-        for name in ("temperature", "top_p"):
+        bias = self.logit_bias
+        bias = tuple(bias.items()) if isinstance(bias, dict) else _as_tuple(bias, "logit_bias")
+        object.__setattr__(self, "logit_bias", bias)
+        numbers = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+        for name in (*numbers, "repetition_penalty", "min_p"):
             if not _is_number(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be a number, got {getattr(self, name)!r}")
         for name in ("max_tokens", "top_k", "seed", "logprobs"):
             if isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be an integer, got {getattr(self, name)!r}")
         self._validate()
+        bias = tuple(sorted((t, float(b)) for t, b in self.logit_bias))
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes the logits before sampling."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -72,12 +103,37 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # also rejects NaN
+                raise InvalidRequestError(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                    f"got {getattr(self, name)!r}"
+                )
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                f"got {self.repetition_penalty!r}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        for pair in self.logit_bias:
+            ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_int(pair[0])
+            if not ok or not _is_number(pair[1]) or not abs(pair[1]) <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {pair!r}"
+                )
 
     def check_against(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in its vocabulary."""
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+        bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token ids must be in [0, {vocab_size}), got {bad[:5]}"
+            )
 
 
 def check_request(
@@ -104,6 +160,10 @@ def stops_on_token(token: int, params: SamplingParams, eos_token_ids) -> bool:
     """Whether sampling `token` ends the request by itself (a stop token, or EOS unless
     ignored). Such a token is kept in the output but adds no text."""
     return token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
