@@ -137,6 +137,9 @@ def test_chat_and_token_id_prompts_and_tokenize(disagg, agg):
     assert info.vocab_size == 49152 and info.num_decode_replicas >= 1
     assert info.prefill_dtype == info.decode_dtype == "float32"  # auto, on CPU
     assert agg.model_info().decode_dtype == "float32"
+    # A logit bias reaches prefill's first token and every decode step after the handoff.
+    forced = disagg.generate_unary(_greedy(PROMPTS[0], max_tokens=5, logit_bias={1000: 100.0}))
+    assert list(forced.token_ids) == [1000] * 5
 
 
 def test_health_check_and_server_reflection(service):
