@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP surface's translations: request bodies -> engine types, engine
-outputs -> completion objects and SSE chunks.
+"""The OpenAI-compatible HTTP surface's requests: bodies -> engine types (the responses are
+`openai_responses.py`).
 
 Fields the engine cannot honour are refused when set to anything but their neutral value
 (`UNSUPPORTED`), rather than silently ignored; fields OpenAI clients send that do not change
@@ -11,18 +11,18 @@ every optional field, as in vLLM and SGLang. Every refusal is a `RequestFieldErr
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_app.prompts import PromptInput
 from workers.engine.errors import InvalidRequestError
-from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Choices per request: each is an engine request of its own.
+MAX_CHOICES = 16
 
 _STRUCTURED = "structured output is not supported"
 _TOOLS = "tool calling is not supported"
@@ -30,7 +30,6 @@ _TOOLS = "tool calling is not supported"
 # is always accepted; anything else is refused, for a client that sets one expects its
 # effect. parallel_tool_calls is not here: it only matters with tools, which are refused.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "one choice per request"),
     "best_of": ((1,), "one candidate per request"),
     "echo": ((False,), "the prompt is not echoed back"),
     "suffix": (("",), "insertion (suffix) is not supported"),
@@ -95,6 +94,7 @@ class _Request(_Body):
     top_p: float = 1.0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -236,6 +236,14 @@ class ChatCompletionRequest(_Request):
         return self._params(max_tokens, logprobs)
 
 
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Each of `n` choices' parameters: a seeded request's choices draw from seeds
+    seed, seed + 1, ... (as vLLM), else all would be the same."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
+
+
 def _room_left(prompt_field: str, room: int) -> int:
     """The context's room after the prompt, for a request that sent no max_tokens; a
     prompt that leaves none is blamed, not the max_tokens the client never sent."""
@@ -275,122 +283,3 @@ def parse(model: type[_Request], body: Any) -> _Request:
             message = f"must be {_UNION_TYPES[path[-1]]}"
         param = ".".join(str(p) for p in path) or None
         raise RequestFieldError(param, f"{param or 'body'}: {message}") from None
-
-
-def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
-def usage(out: RequestOutput) -> dict[str, Any]:
-    return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_output_tokens,
-        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-    }
-
-
-class ResponseBuilder:
-    """Builds one request's completion object, or its stream of chunks."""
-
-    def __init__(
-        self,
-        chat: bool,
-        request_id: str,
-        model: str,
-        decode_token: Callable[[int], str],
-        token_bytes: Callable[[int], bytes],
-    ):
-        self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.model = model
-        self.created = int(time.time())
-        # For logprobs: a token's text, and its exact bytes (the text of a token that
-        # holds part of a UTF-8 character is U+FFFD).
-        self.decode_token = decode_token
-        self.token_bytes = token_bytes
-        self._text_offset = 0  # completions' text_offset: where the next token's text starts
-
-    def _logprobs(self, lps: list[TokenLogprob]) -> Any:
-        if not lps:
-            return None
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": self.decode_token(lp.token_id),
-                        "logprob": lp.logprob,
-                        "bytes": list(self.token_bytes(lp.token_id)),
-                        "top_logprobs": [
-                            {
-                                "token": self.decode_token(t),
-                                "logprob": v,
-                                "bytes": list(self.token_bytes(t)),
-                            }
-                            for t, v in lp.top
-                        ],
-                    }
-                    for lp in lps
-                ]
-            }
-        tokens = [self.decode_token(lp.token_id) for lp in lps]
-        offsets = []
-        for token in tokens:  # as vLLM counts them: each token's own text, in turn
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.decode_token(t): v for t, v in lp.top} for lp in lps],
-            "text_offset": offsets,
-        }
-
-    def _finish(self, out: RequestOutput) -> str | None:
-        return out.finish_reason.value if out.finished and out.finish_reason else None
-
-    def complete(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        last = outputs[-1]
-        text = "".join(o.new_text for o in outputs)
-        lps = self._logprobs([lp for o in outputs for lp in o.new_logprobs])
-        choice: dict[str, Any] = {"index": 0, "logprobs": lps, "finish_reason": self._finish(last)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage(last),
-        }
-
-    def chunk(self, out: RequestOutput | None, first: bool = False) -> str:
-        """One SSE event for an output (None: the empty opening chunk of a chat stream)."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
-        text = out.new_text if out is not None else ""
-        if out is not None:
-            choice["logprobs"] = self._logprobs(out.new_logprobs)
-            choice["finish_reason"] = self._finish(out)
-        if self.chat:
-            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
-        else:
-            choice["text"] = text
-        return self._event({"choices": [choice]})
-
-    def usage_chunk(self, last: RequestOutput) -> str:
-        return self._event({"choices": [], "usage": usage(last)})
-
-    def _event(self, body: dict[str, Any]) -> str:
-        obj = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            **body,
-        }
-        return f"data: {json.dumps(obj)}\n\n"
-
-
-DONE_EVENT = "data: [DONE]\n\n"

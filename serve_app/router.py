@@ -37,9 +37,11 @@ from serve_app.grpc_service import (
     status_for,
 )
 from serve_app.metrics import RouterMetrics
+from serve_app.openai_responses import DONE_EVENT, ResponseBuilder, error_body
 from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
 from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
+from serve_app.stream_merge import merge_streams
 from serve_app.text_stream import TextStream
 from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
@@ -64,31 +66,32 @@ def _http_error(exc: BaseException) -> JSONResponse:
     kind, message = public_error(exc)
     status = _HTTP_STATUS.get(kind, 500)
     param = getattr(root_cause(exc), "param", None)  # an openai_api.RequestFieldError's field
-    body = openai_api.error_body(message, _HTTP_ERROR_TYPE.get(kind, kind), param)
+    body = error_body(message, _HTTP_ERROR_TYPE.get(kind, kind), param)
     return JSONResponse(body, status)
 
 
 async def _sse(
-    builder: openai_api.ResponseBuilder,
-    first: RequestOutput,
-    rest: AsyncIterator[RequestOutput],
+    builder: ResponseBuilder,
+    first: tuple[int, RequestOutput],
+    rest: AsyncIterator[tuple[int, RequestOutput]],
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    last = first
-    yield builder.chunk(first, first=True)
+    """The SSE events of a request's choices, from (choice index, output) pairs."""
+    lasts = {first[0]: first[1]}
+    yield builder.chunk(first[1], first[0])
     try:
-        async for out in rest:
-            last = out
-            yield builder.chunk(out)
+        async for index, out in rest:
+            lasts[index] = out
+            yield builder.chunk(out, index)
     except Exception as e:  # mid-stream: the status line is sent, so an error event
         kind, message = public_error(e)
-        body = openai_api.error_body(message, _HTTP_ERROR_TYPE.get(kind, kind))
+        body = error_body(message, _HTTP_ERROR_TYPE.get(kind, kind))
         yield f"data: {json.dumps(body)}\n\n"
-        yield openai_api.DONE_EVENT  # the stream ends as every stream does (vLLM does too)
+        yield DONE_EVENT  # the stream ends as every stream does (vLLM does too)
         return
     if include_usage:
-        yield builder.usage_chunk(last)
-    yield openai_api.DONE_EVENT
+        yield builder.usage_chunk([lasts[i] for i in sorted(lasts)])
+    yield DONE_EVENT
 
 
 def _set_status(grpc_context: RayServegRPCContext, exc: BaseException) -> None:
@@ -135,21 +138,26 @@ class Router:
 
     # -- the shared path -----------------------------------------------------------
 
-    async def _engine_request(
-        self, ids: list[int], params: SamplingParams, cache_salt: str | None
-    ) -> tuple[EngineRequest, TextStream]:
+    async def _engine_requests(
+        self, ids: list[int], choices: list[SamplingParams], cache_salt: str | None
+    ) -> list[tuple[EngineRequest, TextStream]]:
+        """One engine request (and its text) per choice's parameters, all of one prompt."""
         # Internal ids are always fresh: two clients may send the same request_id.
-        request = self.frontend.build_request(uuid.uuid4().hex, ids, params, cache_salt)
-        if request.block_hashes:
+        requests = [
+            self.frontend.build_request(uuid.uuid4().hex, ids, p, cache_salt) for p in choices
+        ]
+        if requests[0].block_hashes:
             try:
-                hits = await self.registry.longest_prefixes.remote(list(request.block_hashes))
+                hits = await self.registry.longest_prefixes.remote(list(requests[0].block_hashes))
             except RayActorError:
                 # Advisory: losing the registry costs routing hints, never a request.
                 logger.warning("the prefix registry is gone; starting a new one")
                 self.registry = get_or_create_registry(self.registry_config)
                 hits = {}
-            request = replace(request, prefix_hits=hits)
-        return request, self.frontend.text_stream(ids, params)
+            requests = [replace(r, prefix_hits=hits) for r in requests]
+        return [
+            (r, self.frontend.text_stream(ids, p)) for r, p in zip(requests, choices, strict=True)
+        ]
 
     async def _outputs(
         self, request: EngineRequest, text: TextStream, api: str, started: float
@@ -208,8 +216,8 @@ class Router:
             prompt = prompt_from_proto(request)
             ids = self.frontend.tokenize(prompt)
             params = params_from_proto(request, self.frontend.max_model_len - len(ids))
-            engine_request, text = await self._engine_request(
-                ids, params, request.cache_salt or None
+            ((engine_request, text),) = await self._engine_requests(
+                ids, [params], request.cache_salt or None
             )
         except Exception as e:
             self._refused("grpc", e)
@@ -341,34 +349,41 @@ class Router:
             if req.model != self.served_model_name:
                 message = f"model {req.model!r} is not served here; use {self.served_model_name!r}"
                 self.metrics.ended("http", "invalid")
-                body = openai_api.error_body(message, "invalid_request_error", "model")
+                body = error_body(message, "invalid_request_error", "model")
                 return JSONResponse(body, 404)
             prompt: PromptInput = req.prompt_input()
             ids = self.frontend.tokenize(prompt)
             params = req.sampling_params(self.frontend.max_model_len - len(ids))
-            engine_request, text = await self._engine_request(ids, params, req.cache_salt)
+            choices = await self._engine_requests(
+                ids, openai_api.choice_params(params, req.n), req.cache_salt
+            )
         except Exception as e:
             self._refused("http", e)
             return _http_error(e)
-        builder = openai_api.ResponseBuilder(
+        builder = ResponseBuilder(
             chat,
-            engine_request.request_id,
+            choices[0][0].request_id,
             self.served_model_name,
             self._token_text,
             self.frontend.tokenizer.token_bytes,
         )
-        outputs = self._outputs(engine_request, text, "http", started)
+        outputs = merge_streams(
+            [self._outputs(request, text, "http", started) for request, text in choices]
+        )
         try:
             # The first output before answering: an engine's refusal is still a 4xx.
             first = await anext(outputs)
         except Exception as e:
             return _http_error(e)
         if not req.stream:
+            by_choice: list[list[RequestOutput]] = [[] for _ in choices]
+            by_choice[first[0]].append(first[1])
             try:
-                rest = [out async for out in outputs]
+                async for index, out in outputs:
+                    by_choice[index].append(out)
             except Exception as e:
                 return _http_error(e)
-            return builder.complete([first, *rest])
+            return builder.complete(by_choice)
         return StreamingResponse(
             _sse(builder, first, outputs, req.include_usage()), media_type="text/event-stream"
         )

@@ -1,8 +1,6 @@
-"""OpenAI request bodies -> engine types, and engine outputs -> completion objects."""
+"""OpenAI request bodies -> engine types."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -12,13 +10,11 @@ from serve_app.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestFieldError,
-    ResponseBuilder,
-    error_body,
+    choice_params,
     parse,
 )
-from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import TokenLogprob
-from workers.engine.sequence import FinishReason
+from serve_app.openai_responses import error_body
+from workers.engine.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "a"}]
 
@@ -204,8 +200,6 @@ def test_schema_errors_name_the_field_in_the_message_and_the_param(model, body, 
 @pytest.mark.parametrize(
     ("model", "field", "value", "accepted"),
     [
-        (CompletionRequest, "n", 2, "accepted: 1"),
-        (CompletionRequest, "n", True, "accepted: 1"),
         (CompletionRequest, "best_of", 3, "accepted: 1"),
         (CompletionRequest, "echo", True, "accepted: false"),
         (CompletionRequest, "suffix", "end", 'accepted: ""'),
@@ -311,51 +305,14 @@ def test_an_error_body_carries_the_field_as_its_param():
     assert body["error"]["param"] == "tools" and body["error"]["message"].startswith("tools: ")
 
 
-def _outputs() -> list[RequestOutput]:
-    lp = TokenLogprob(7, -0.25, ((7, -0.25),))
-    return [
-        RequestOutput("r", [7], "Hel", [lp]),
-        RequestOutput("r", [8], "lo", [lp], True, FinishReason.STOP, 4, 2, 1),
-    ]
-
-
-def test_a_completion_object_carries_text_finish_reason_and_usage():
-    body = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes).complete(_outputs())
-    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
-    assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["choices"][0]["logprobs"]["tokens"] == ["<7>", "<7>"]
-    assert body["choices"][0]["logprobs"]["text_offset"] == [0, 3]
-    assert body["usage"] == {
-        "prompt_tokens": 4,
-        "completion_tokens": 2,
-        "total_tokens": 6,
-        "prompt_tokens_details": {"cached_tokens": 1},
-    }
-
-
-def test_chat_logprobs_carry_each_tokens_exact_bytes_not_its_replacement_character():
-    # Token 7 holds the first two bytes of "👩": its text alone is U+FFFD.
-    builder = ResponseBuilder(True, "r", "m", lambda t: "\ufffd", lambda t: b"\xf0\x9f")
-    content = builder.complete(_outputs())["choices"][0]["logprobs"]["content"]
-    assert content[0]["token"] == "\ufffd" and content[0]["bytes"] == [0xF0, 0x9F]
-    assert content[0]["top_logprobs"][0]["bytes"] == [0xF0, 0x9F]
-
-
-def test_completion_chunks_carry_text_offsets_that_run_on_across_the_stream():
-    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes)
-    events = [builder.chunk(out) for out in _outputs()]
-    offsets = [json.loads(e.removeprefix("data: "))["choices"][0]["logprobs"] for e in events]
-    assert [lp["text_offset"] for lp in offsets] == [[0], [3]]
-
-
-def test_chat_chunks_open_with_the_role_and_end_with_the_finish_reason():
-    builder = ResponseBuilder(True, "r", "m", str, bytes)
-    first, last = _outputs()
-    events = [builder.chunk(first, first=True), builder.chunk(last), builder.usage_chunk(last)]
-    bodies = [json.loads(e.removeprefix("data: ")) for e in events]
-    assert all(e.endswith("\n\n") for e in events)
-    assert bodies[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
-    assert bodies[1]["choices"][0]["delta"] == {"content": "lo"}
-    assert bodies[1]["choices"][0]["finish_reason"] == "stop"
-    assert bodies[2]["choices"] == [] and bodies[2]["usage"]["completion_tokens"] == 2
-    assert {b["object"] for b in bodies} == {"chat.completion.chunk"}
+def test_n_choices_are_n_requests_with_their_own_seeds():
+    assert parse(CompletionRequest, _completion()).n == 1
+    assert parse(ChatCompletionRequest, _chat(n=4)).n == 4
+    for bad in (0, 17, True):
+        with pytest.raises(RequestFieldError) as refused:
+            parse(CompletionRequest, _completion(n=bad))
+        assert refused.value.param == "n"
+    unseeded = SamplingParams(temperature=0.7)
+    assert choice_params(unseeded, 3) == [unseeded] * 3
+    seeds = [p.seed for p in choice_params(SamplingParams(seed=2**63 - 1), 3)]
+    assert seeds == [2**63 - 1, 0, 1]

@@ -8,7 +8,9 @@ import json
 import pytest
 
 from serve_app import openai_api
+from serve_app.openai_responses import DONE_EVENT, ResponseBuilder
 from serve_app.router import _http_error, _sse
+from serve_app.stream_merge import merge_streams
 from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
 
@@ -19,12 +21,12 @@ def test_an_error_mid_stream_is_an_openai_error_event_then_done():
         raise InvalidRequestError("stop_token_ids: 99999 is not a token id")
 
     async def events():
-        builder = openai_api.ResponseBuilder(False, "r", "m", str, bytes)
+        builder = ResponseBuilder(False, "r", "m", str, bytes)
         first = RequestOutput("r", [7], "Hel")
-        return [e async for e in _sse(builder, first, rest(), include_usage=True)]
+        return [e async for e in _sse(builder, (0, first), merge_streams([rest()]), True)]
 
     sent = asyncio.run(events())
-    assert len(sent) == 4 and sent[-1] == openai_api.DONE_EVENT
+    assert len(sent) == 4 and sent[-1] == DONE_EVENT
     error = json.loads(sent[2].removeprefix("data: "))["error"]
     assert error["type"] == "invalid_request_error" and "stop_token_ids" in error["message"]
 

@@ -197,6 +197,17 @@ def test_openai_client_completions_and_chat(service, agg):
         assert text == chat.choices[0].message.content
         assert parts[-1].usage.completion_tokens == chat.usage.completion_tokens
 
+    # n choices: seeded, choice i is what a lone request seeded seed + i gets.
+    seeded = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "seed": 5}
+    two = client.completions.create(n=2, **seeded)
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 16
+    alone = [client.completions.create(**{**seeded, "seed": 5 + i}) for i in range(2)]
+    assert [c.text for c in two.choices] == [a.choices[0].text for a in alone]
+    streamed: dict[int, str] = {0: "", 1: ""}
+    for chunk in client.completions.create(n=2, stream=True, **seeded):
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert list(streamed.values()) == [c.text for c in two.choices]
+
 
 def test_sixteen_concurrent_streams_all_complete(disagg):
     results: dict[int, list] = {}
@@ -301,7 +312,7 @@ def test_bad_http_input_is_400_naming_the_field(service):
         ({"temperature": -2}, "temperature"),
         ({"top_p": 7}, "top_p"),
         ({"max_tokens": 10**6}, "max_tokens"),
-        ({"n": 3}, "n"),
+        ({"n": 17}, "n"),
         ({"extra_body": {"top_k": -1}}, "top_k"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:

@@ -1,0 +1,150 @@
+"""The OpenAI-compatible HTTP surface's responses: engine outputs -> completion objects and
+SSE chunks (the requests are `openai_api.py`). A request's choice i is engine request i."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from workers.engine.outputs import RequestOutput
+from workers.engine.sampling_params import TokenLogprob
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def usage(lasts: list[RequestOutput]) -> dict[str, Any]:
+    """Usage of a request whose choices ended with these outputs: the prompt counted once,
+    as OpenAI does, the completions of every choice summed."""
+    prompt = lasts[0].num_prompt_tokens
+    completion = sum(out.num_output_tokens for out in lasts)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": lasts[0].num_cached_tokens},
+    }
+
+
+class ResponseBuilder:
+    """Builds one request's completion object, or its stream of chunks."""
+
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        decode_token: Callable[[int], str],
+        token_bytes: Callable[[int], bytes],
+    ):
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+        # For logprobs: a token's text, and its exact bytes (the text of a token that
+        # holds part of a UTF-8 character is U+FFFD).
+        self.decode_token = decode_token
+        self.token_bytes = token_bytes
+        # Per choice: completions' text_offset (where its next token's text starts), and
+        # whether a chat stream has sent its opening delta (the one with the role).
+        self._text_offsets: dict[int, int] = {}
+        self._opened: set[int] = set()
+
+    def _logprobs(self, lps: list[TokenLogprob], index: int) -> Any:
+        if not lps:
+            return None
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": self.decode_token(lp.token_id),
+                        "logprob": lp.logprob,
+                        "bytes": list(self.token_bytes(lp.token_id)),
+                        "top_logprobs": [
+                            {
+                                "token": self.decode_token(t),
+                                "logprob": v,
+                                "bytes": list(self.token_bytes(t)),
+                            }
+                            for t, v in lp.top
+                        ],
+                    }
+                    for lp in lps
+                ]
+            }
+        tokens = [self.decode_token(lp.token_id) for lp in lps]
+        offsets = []
+        offset = self._text_offsets.get(index, 0)
+        for token in tokens:  # as vLLM counts them: each token's own text, in turn
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self.decode_token(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def _finish(self, out: RequestOutput) -> str | None:
+        return out.finish_reason.value if out.finished and out.finish_reason else None
+
+    def complete(self, choices: list[list[RequestOutput]]) -> dict[str, Any]:
+        """The completion object; `choices[i]`: every output of choice i, in order."""
+        body = []
+        for index, outputs in enumerate(choices):
+            text = "".join(o.new_text for o in outputs)
+            lps = self._logprobs([lp for o in outputs for lp in o.new_logprobs], index)
+            choice: dict[str, Any] = {
+                "index": index,
+                "logprobs": lps,
+                "finish_reason": self._finish(outputs[-1]),
+            }
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            body.append(choice)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": body,
+            "usage": usage([outputs[-1] for outputs in choices]),
+        }
+
+    def chunk(self, out: RequestOutput, index: int = 0) -> str:
+        """One SSE event for an output of choice `index`; a chat choice's first one also
+        carries the assistant role."""
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": self._logprobs(out.new_logprobs, index),
+            "finish_reason": self._finish(out),
+        }
+        if self.chat:
+            choice["delta"] = {"content": out.new_text}
+            if index not in self._opened:
+                self._opened.add(index)
+                choice["delta"] = {"role": "assistant", **choice["delta"]}
+        else:
+            choice["text"] = out.new_text
+        return self._event({"choices": [choice]})
+
+    def usage_chunk(self, lasts: list[RequestOutput]) -> str:
+        return self._event({"choices": [], "usage": usage(lasts)})
+
+    def _event(self, body: dict[str, Any]) -> str:
+        obj = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            **body,
+        }
+        return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,77 @@
+"""Engine outputs -> OpenAI completion objects and SSE chunks, for one choice or several."""
+
+from __future__ import annotations
+
+import json
+
+from serve_app.openai_responses import ResponseBuilder
+from workers.engine.outputs import RequestOutput
+from workers.engine.sampling_params import TokenLogprob
+from workers.engine.sequence import FinishReason
+
+
+def _outputs(rid: str = "r", cached: int = 1) -> list[RequestOutput]:
+    lp = TokenLogprob(7, -0.25, ((7, -0.25),))
+    return [
+        RequestOutput(rid, [7], "Hel", [lp]),
+        RequestOutput(rid, [8], "lo", [lp], True, FinishReason.STOP, 4, 2, cached),
+    ]
+
+
+def _body(event: str) -> dict:
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    return json.loads(event.removeprefix("data: "))
+
+
+def test_a_completion_object_carries_text_finish_reason_and_usage():
+    body = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes).complete([_outputs()])
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["logprobs"]["tokens"] == ["<7>", "<7>"]
+    assert body["choices"][0]["logprobs"]["text_offset"] == [0, 3]
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+
+
+def test_n_choices_each_have_their_index_and_count_the_prompt_once():
+    short = [RequestOutput("q", [9], "Hi", [], True, FinishReason.LENGTH, 4, 1, 0)]
+    builder = ResponseBuilder(True, "r", "m", str, bytes)
+    body = builder.complete([_outputs(), short])
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == ["Hello", "Hi"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+    assert body["usage"]["prompt_tokens"] == 4 and body["usage"]["completion_tokens"] == 3
+
+
+def test_chat_logprobs_carry_each_tokens_exact_bytes_not_its_replacement_character():
+    # Token 7 holds the first two bytes of "👩": its text alone is U+FFFD.
+    builder = ResponseBuilder(True, "r", "m", lambda t: "\ufffd", lambda t: b"\xf0\x9f")
+    content = builder.complete([_outputs()])["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "\ufffd" and content[0]["bytes"] == [0xF0, 0x9F]
+    assert content[0]["top_logprobs"][0]["bytes"] == [0xF0, 0x9F]
+
+
+def test_completion_chunks_carry_text_offsets_that_run_on_per_choice():
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes)
+    first, last = _outputs()
+    events = [builder.chunk(first, 0), builder.chunk(first, 1), builder.chunk(last, 0)]
+    choices = [_body(e)["choices"][0] for e in events]
+    assert [c["index"] for c in choices] == [0, 1, 0]
+    assert [c["logprobs"]["text_offset"] for c in choices] == [[0], [0], [3]]
+
+
+def test_each_chat_choice_opens_with_the_role_and_ends_with_its_finish_reason():
+    builder = ResponseBuilder(True, "r", "m", str, bytes)
+    first, last = _outputs()
+    events = [builder.chunk(first, 0), builder.chunk(first, 1), builder.chunk(last, 0)]
+    bodies = [_body(e) for e in [*events, builder.usage_chunk([last, last])]]
+    assert bodies[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    assert bodies[1]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    assert bodies[2]["choices"][0]["delta"] == {"content": "lo"}
+    assert bodies[2]["choices"][0]["finish_reason"] == "stop"
+    assert bodies[3]["choices"] == [] and bodies[3]["usage"]["completion_tokens"] == 4
+    assert {b["object"] for b in bodies} == {"chat.completion.chunk"}
