@@ -66,6 +66,7 @@ def params_from_proto(request: pb.GenerateRequest, room: int) -> SamplingParams:
         repetition_penalty=opt("repetition_penalty", 1.0),
         min_p=request.min_p,
         logit_bias=dict(request.logit_bias),
+        min_tokens=request.min_tokens,
     )
 
 

@@ -33,7 +33,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "one candidate per request"),
     "echo": ((False,), "the prompt is not echoed back"),
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "min_tokens": ((0,), "a minimum output length is not implemented"),
     "tools": (([],), _TOOLS),
     "tool_choice": (("none",), _TOOLS),
     "functions": (([],), _TOOLS),  # the deprecated form of tools
@@ -104,6 +103,7 @@ class _Request(_Body):
     # Extensions (as vLLM names them).
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    min_tokens: int = 0
     top_k: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -148,6 +148,7 @@ class _Request(_Body):
                 repetition_penalty=self.repetition_penalty,
                 min_p=self.min_p,
                 logit_bias=logit_bias,
+                min_tokens=self.min_tokens,
             )
         except InvalidRequestError as e:
             # The engine's ranges are the ones that count; its messages open with the

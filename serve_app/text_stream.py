@@ -48,12 +48,15 @@ class TextStream:
         tokens = out.new_token_ids
         kept = len(tokens)
         engine_stopped = out.finish_reason is FinishReason.STOP
+        before = out.num_output_tokens - len(tokens)  # output tokens ahead of this message
         for i, token in enumerate(tokens):
             # The engine stopped on a stop token or EOS: kept, but it adds no text.
             last = i == kept - 1
             if last and engine_stopped and stops_on_token(token, self._params, self._eos):
                 break
-            if self._detokenizer.add_token(token):
+            # Stop strings wait for min_tokens, as in the engine.
+            check_stop = before + i + 1 >= self._params.min_tokens
+            if self._detokenizer.add_token(token, check_stop):
                 self.stopped, kept = True, i + 1
                 break
         if self.stopped:

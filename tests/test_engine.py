@@ -116,6 +116,22 @@ def test_eos_stops_unless_ignored(model_dir, tmp_path):
     assert _outputs(engine, [prompt]) == [free_run]
 
 
+def test_min_tokens_holds_off_eos_and_stop_tokens(model_dir, tmp_path):
+    prompt = random_prompts(1)[0]
+    free_run = _outputs(_engine(model_dir), [prompt])[0]
+    eos = free_run[2]
+    engine = _engine(make_tiny_model(tmp_path, eos_token_id=eos))
+    # EOS forced at every step: min_tokens alone keeps the request going that long.
+    forced = SamplingParams(max_tokens=24, temperature=0.0, logit_bias={eos: 100.0}, min_tokens=5)
+    out = engine.generate([prompt], forced)[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert len(out.output_token_ids) == 6 and eos not in out.output_token_ids[:5]
+    stop_token = free_run[1]
+    params = SamplingParams(**{**vars(GREEDY), "stop_token_ids": [stop_token], "min_tokens": 4})
+    held = engine.generate([prompt], params)[0].output_token_ids
+    assert stop_token not in held[:4] and held[:1] == free_run[:1]
+
+
 def test_stop_string_truncates_text(model_dir):
     engine = _engine(model_dir)
     prompt = engine.tokenizer.encode("stop strings")

@@ -49,11 +49,12 @@ def test_penalties_min_p_and_logit_bias_convert_and_default_to_off():
         repetition_penalty=1.25,
         min_p=0.125,
         logit_bias={7: 2.5, 3: -100.0},
+        min_tokens=4,
     )
     params = params_from_proto(request, room=100)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
     assert (params.repetition_penalty, params.min_p) == (1.25, 0.125)
-    assert params.logit_bias == ((3, -100.0), (7, 2.5))
+    assert params.logit_bias == ((3, -100.0), (7, 2.5)) and params.min_tokens == 4
     with pytest.raises(InvalidRequestError, match=r"repetition_penalty must be in \(0, 10\]"):
         params_from_proto(pb.GenerateRequest(text="x", repetition_penalty=0.0), room=100)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from workers.engine.sampler import (
+    adjust_logits,
     apply_min_p,
-    apply_penalties,
     apply_top_k,
     apply_top_p,
     greedy,
@@ -281,21 +281,21 @@ def test_greedy_equals_argmax_and_breaks_ties_low(vocab):
 def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = torch.zeros(6)
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    out = apply_penalties(logits, params, prompt_ids=[4, 4], output_ids=[1, 2, 2, 2])
+    out = adjust_logits(logits, params, prompt_ids=[4, 4], output_ids=[1, 2, 2, 2])
     assert out.tolist() == [0.0, -0.75, -1.25, 0.0, 0.0, 0.0]
     assert logits.tolist() == [0.0] * 6  # the input is left alone
 
 
 def test_repetition_penalty_shrinks_seen_logits_towards_zero_either_side():
     logits = torch.tensor([2.0, -2.0, 2.0, -2.0])
-    out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), [0], [1, 1])
+    out = adjust_logits(logits, SamplingParams(repetition_penalty=2.0), [0], [1, 1])
     assert out.tolist() == [1.0, -4.0, 2.0, -2.0]
 
 
 def test_logit_bias_is_added_before_the_penalties():
     logits = torch.tensor([1.0, 1.0, 1.0])
     params = SamplingParams(logit_bias={0: 3.0, 2: -5.0}, repetition_penalty=2.0)
-    out = apply_penalties(logits, params, prompt_ids=[0, 2], output_ids=[])
+    out = adjust_logits(logits, params, prompt_ids=[0, 2], output_ids=[])
     assert out.tolist() == [2.0, 1.0, -8.0]
 
 
@@ -328,3 +328,13 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_one():
     logits = _probs_logits([0.5, 0.3, 0.15, 0.05]).expand(2000, -1).clone()
     out = sample(logits, [SamplingParams(min_p=0.5)] * 2000, [None] * 2000, _default())
     assert set(out.token_ids) == {0, 1}
+
+
+def test_short_of_min_tokens_stop_tokens_and_eos_are_banned():
+    logits = torch.zeros(6)
+    params = SamplingParams(min_tokens=2, stop_token_ids=[3])
+    banned = adjust_logits(logits, params, [], [1], eos_token_ids={5})
+    assert banned.isinf().nonzero().flatten().tolist() == [3, 5]
+    assert not adjust_logits(logits, params, [], [1, 2], eos_token_ids={5}).isinf().any()
+    ignoring = SamplingParams(min_tokens=2, ignore_eos=True)
+    assert not adjust_logits(logits, ignoring, [], [], eos_token_ids={5}).isinf().any()

@@ -39,6 +39,8 @@ from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
         ("repetition_penalty", 11.0, "repetition_penalty must be in (0, 10]"),
         ("min_p", -0.1, "min_p must be in [0, 1]"),
         ("min_p", 1.5, "min_p must be in [0, 1]"),
+        ("min_tokens", 17, "min_tokens must be an integer in [0, max_tokens=16]"),
+        ("min_tokens", -1, "min_tokens must be an integer in [0, max_tokens=16]"),
     ],
 )
 def test_bad_value_names_field_and_range(field, value, message):

@@ -93,6 +93,19 @@ def test_free_runs_and_stop_tokens_match_the_engine(engines, group):
     _same(expected, _routed(tokens_only, params, group))
 
 
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_stop_string_waits_for_min_tokens_as_in_the_engine(engines, group):
+    with_text, tokens_only = engines
+    free = "".join(o.new_text for o in _outputs(with_text, FREE))
+    stop = next(free[i : i + 3] for i in range(8, len(free) - 3) if "\ufffd" not in free[i : i + 3])
+    early = _outputs(with_text, SamplingParams(**{**vars(FREE), "stop": [stop]}))
+    n_early = early[-1].num_output_tokens
+    params = SamplingParams(**{**vars(FREE), "stop": [stop], "min_tokens": n_early + 1})
+    expected = _outputs(with_text, params)
+    assert expected[-1].num_output_tokens > n_early  # the early match did not end it
+    _same(expected, _routed(tokens_only, params, group))
+
+
 def test_eos_matches_the_engine(engines, tmp_path):
     with_text, _ = engines
     # The same weights, with the token the model emits at step 6 declared as EOS.

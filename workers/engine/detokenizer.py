@@ -48,8 +48,9 @@ class IncrementalDetokenizer:
         self._pending: list[int] = []  # tokens the stream holds back (partial UTF-8)
         self.stopped_on: str | None = None
 
-    def add_token(self, token_id: int) -> bool:
-        """Decodes one more token; True when the text now contains a stop string."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> bool:
+        """Decodes one more token; True when the text now contains a stop string (never
+        without `check_stop`: a request short of its min_tokens goes on regardless)."""
         piece = self._stream.step(self._tokenizer, token_id)
         if piece is None:
             self._pending.append(token_id)
@@ -57,6 +58,8 @@ class IncrementalDetokenizer:
         self._pending.clear()
         searched_from = max(0, len(self.text) - self._hold)
         self.text += piece
+        if not check_stop:
+            return False
         hits = [
             (at, stop) for stop in self._stop if (at := self.text.find(stop, searched_from)) >= 0
         ]

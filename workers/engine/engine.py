@@ -233,6 +233,7 @@ class LLMEngine:
             [seq.generator for seq in sampling],
             self._generator,
             [(seq.prompt_token_ids, seq.output_token_ids) for seq in sampling],
+            self.eos_token_ids,
         )
         now = time.monotonic()
         return outputs + [
@@ -257,8 +258,10 @@ class LLMEngine:
             seq.first_token_time = now
         params = seq.params
         reason = None
+        # Short of min_tokens the sampler never picks a stop token, and stop strings wait.
+        check_stop = len(seq.output_token_ids) >= params.min_tokens
         if stops_on_token(token, params, self.eos_token_ids) or (
-            seq.detokenizer is not None and seq.detokenizer.add_token(token)
+            seq.detokenizer is not None and seq.detokenizer.add_token(token, check_stop)
         ):
             reason = FinishReason.STOP
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:

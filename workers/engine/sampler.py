@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +35,16 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return tile * _ARGMAX_TILE + within
 
 
-def apply_penalties(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+def adjust_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    eos_token_ids: Collection[int] = (),
 ) -> torch.Tensor:
-    """One row's logits after its logit bias, repetition penalty (prompt and output tokens)
-    and presence and frequency penalties (output tokens), in that order, as vLLM."""
+    """One row's logits after its logit bias, repetition penalty (prompt and output tokens),
+    presence and frequency penalties (output tokens), in that order, as vLLM; then, short
+    of min_tokens, without its stop tokens (EOS too, unless ignored)."""
     logits = logits.clone()
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias, strict=True)
@@ -51,6 +57,10 @@ def apply_penalties(
     if (params.presence_penalty or params.frequency_penalty) and output_ids:
         ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
         logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    if len(output_ids) < params.min_tokens:
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        if banned:
+            logits[sorted(banned)] = float("-inf")
     return logits
 
 
@@ -127,17 +137,19 @@ def sample(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
     history: list[tuple[list[int], list[int]]] | None = None,
+    eos_token_ids: Collection[int] = (),
 ) -> SamplerOutput:
     """logits: [B, V] float32, one row per request that samples this step. `history`:
-    each row's (prompt, output) token ids, needed by rows with penalties. Logprobs are
-    the model's own (before penalties and bias), as vLLM reports them by default."""
+    each row's (prompt, output) token ids, needed by rows that adjust their logits
+    (`SamplingParams.adjusts_logits`). Logprobs are the model's own (before penalties,
+    bias and bans), as vLLM reports them by default."""
     raw = logits = logits.float()
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
     if adjusted:
         assert history is not None and len(history) == len(params)
         logits = raw.clone()
         for i in adjusted:
-            logits[i] = apply_penalties(raw[i], params[i], *history[i])
+            logits[i] = adjust_logits(raw[i], params[i], *history[i], eos_token_ids)
     token_ids = greedy(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

@@ -38,6 +38,8 @@ class SamplingParams:
     min_p: float = 0.0
     # (token id, bias) pairs added to the logits before anything else.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Output tokens before EOS, a stop token id or a stop string may end the request.
+    min_tokens: int = 0
 
     # Lists (and a dict for logit_bias) are accepted for convenience and frozen.
     def __post_init__(self) -> None:
@@ -51,7 +53,7 @@ class SamplingParams:
         for name in (*numbers, "repetition_penalty", "min_p"):
             if not _is_number(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be a number, got {getattr(self, name)!r}")
-        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "min_tokens"):
             if isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be an integer, got {getattr(self, name)!r}")
         self._validate()
@@ -64,12 +66,14 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty or a logit bias changes the logits before sampling."""
+        """Whether a penalty, a logit bias or min_tokens changes the logits before
+        sampling."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
+            or self.min_tokens
         )
 
     def _validate(self) -> None:
@@ -113,6 +117,11 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
                 f"got {self.repetition_penalty!r}"
+            )
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
