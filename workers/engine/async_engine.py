@@ -281,6 +281,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self.engine.use_thread()
             while True:
                 # The engine's work only changes on this thread, so one look before
                 # sleeping is enough; commands and shutdown notify to wake it.

@@ -40,6 +40,7 @@ from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConf
 from workers.engine.sequence import FinishReason, Sequence
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import Tokenizer, eos_token_ids
+from workers.torch_threads import use_num_threads
 from workers.tp.group import TPWorkerGroup
 
 
@@ -65,8 +66,7 @@ class LLMEngine:
                 f"{self.model_config.num_key_value_heads} KV heads; valid degrees: "
                 f"{self.model_config.valid_tp_degrees()}"
             )
-        if config.num_threads is not None and tp == 1:
-            torch.set_num_threads(config.num_threads)
+        self.use_thread()
         self.tokenizer = tokenizer or Tokenizer(model_dir)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
@@ -375,6 +375,13 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return seqs
+
+    def use_thread(self) -> None:
+        """Gives the calling thread this engine's torch thread count; call it from any
+        thread that will step the engine (workers/torch_threads.py says why). With TP,
+        the ranks compute and set their own."""
+        if self.config.num_threads is not None and self.config.tensor_parallel_size == 1:
+            use_num_threads(self.config.num_threads)
 
     def shutdown(self) -> None:
         """Releases the TP worker processes, if any; the engine is unusable afterwards."""

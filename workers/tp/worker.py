@@ -24,6 +24,7 @@ from workers.engine.kv_transfer import KVBlocks
 from workers.engine.kv_transport import KVPart, KVRef
 from workers.engine.model_runner import ModelRunner, RunnerSpec, StepInput
 from workers.model.parallel import TPGroup
+from workers.torch_threads import use_num_threads
 
 # A rank stuck in a collective because a peer died gives up after this long;
 # the group notices the dead peer much sooner (see TPWorkerGroup._gather).
@@ -36,7 +37,9 @@ class TPWorker:
     def __init__(self, rank: int, world_size: int, num_threads: int):
         self.rank = rank
         self.world_size = world_size
-        torch.set_num_threads(num_threads)
+        # Set again in each thread that computes: this actor's methods run on threads of
+        # its concurrency groups, not the one running __init__ (workers/torch_threads.py).
+        self.num_threads = num_threads
         self.runner: ModelRunner | None = None
         self.tp: TPGroup | None = None
         # Export key -> this rank's share of it, pulled and waiting for its import.
@@ -56,6 +59,7 @@ class TPWorker:
         return ray.util.get_node_ip_address(), port
 
     def start(self, address: str, port: int, spec: RunnerSpec) -> None:
+        use_num_threads(self.num_threads)
         backend = "nccl" if spec.device.startswith("cuda") else "gloo"
         device = spec.device
         if backend == "nccl":
@@ -149,6 +153,8 @@ class TPWorker:
         return (time.perf_counter() - start) / iters
 
     def _runner(self) -> ModelRunner:
+        """The started runner, for a method about to compute on the calling thread."""
         if self.runner is None:
             raise RuntimeError(f"TP rank {self.rank} was not started")
+        use_num_threads(self.num_threads)
         return self.runner
