@@ -15,7 +15,7 @@ _END = object()
 
 @dataclass(frozen=True)
 class _Failed:
-    error: Exception
+    error: BaseException
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -49,7 +49,9 @@ async def _pump(index: int, stream: AsyncIterator, queue: asyncio.Queue) -> None
     try:
         async for item in stream:
             queue.put_nowait((index, item))
-    except Exception as e:
+    except BaseException as e:
+        # CancelledError too: Serve ends a stream whose replica call was cancelled with
+        # one of its own, and the merge must hear of it rather than wait for ever.
         queue.put_nowait((index, _Failed(e)))
-        return
+        raise
     queue.put_nowait((index, _END))

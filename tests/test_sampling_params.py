@@ -176,11 +176,13 @@ def test_logit_bias_is_frozen_sorted_and_checked_against_the_vocab():
         params.check_against(vocab_size=7)
 
 
-def test_only_penalties_and_bias_adjust_the_logits():
+def test_only_penalties_bias_and_min_tokens_adjust_the_logits():
     assert not SamplingParams(min_p=0.2, top_k=3, temperature=0.5).adjusts_logits
     for kwargs in (
         {"presence_penalty": 0.1},
         {"frequency_penalty": -1},
         {"repetition_penalty": 1.1},
+        {"logit_bias": {3: 1.0}},
+        {"min_tokens": 2},
     ):
         assert SamplingParams(**kwargs).adjusts_logits

@@ -61,3 +61,22 @@ def test_a_consumer_that_stops_early_cancels_every_stream():
         return log
 
     assert sorted(asyncio.run(run())) == ["a cancelled", "b cancelled"]
+
+
+def test_a_stream_that_ends_cancelled_by_itself_ends_the_merge_too():
+    async def cancelled_by_its_source():
+        yield "x"
+        raise asyncio.CancelledError  # as Serve ends a stream whose call was cancelled
+
+    async def run():
+        log: list[str] = []
+        got = []
+        merged = merge_streams([cancelled_by_its_source(), _ticks("slow", 100, 0.01, log)])
+        with pytest.raises(asyncio.CancelledError):
+            async for item in merged:
+                got.append(item)
+        await asyncio.sleep(0.05)
+        return got, log
+
+    got, log = asyncio.run(asyncio.wait_for(run(), timeout=10))
+    assert (0, "x") in got and log == ["slow cancelled"]

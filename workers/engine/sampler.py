@@ -91,7 +91,8 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zeroes each row's tokens less likely than `min_p` times its most likely one."""
+    """Zeroes each row's tokens less likely than `min_p` times its most likely one.
+    Applied after top-k and top-p, as transformers does (vLLM v1 applies it before)."""
     floor = min_p.unsqueeze(1) * probs.amax(dim=1, keepdim=True)
     return probs.masked_fill(probs < floor, 0.0)
 
