@@ -1,12 +1,16 @@
 """The service against the in-process engine, in one run: what serving costs.
 
-Deploys an aggregated and a disaggregated application side by side on a local Ray
-(idle replicas cost no CPU), then, round by round and system by system, runs 8 and 32
-concurrent streams of 128 new tokens each: the in-process `AsyncEngine`, and each
-service through Serve's gRPC proxy. Prints aggregate tokens/s, TTFT p50/p99 and
-inter-token latency p50/p99 per system and concurrency, ratio.*.{agg,disagg}_over_engine,
-and, per KV transport, the handoff time of a 512-token prompt next to its prefill time
-(ratio.handoff_over_prefill_512.<transport>).
+Runs 8 and 32 concurrent streams of 128 new tokens each, round by round: the in-process
+`AsyncEngine`, then each service through Serve's gRPC proxy. Prints aggregate tokens/s,
+TTFT p50/p99 and inter-token latency p50/p99 per system and concurrency,
+ratio.*.{agg,disagg}_over_engine, and, per KV transport, the handoff time of a
+512-token prompt next to its prefill time (ratio.handoff_over_prefill_512.<transport>).
+
+Each service is deployed for its own turn and deleted after it, so it shares the
+machine only with what it brings: an idle replica is not free (Serve's health checks,
+metrics and routing stats cost each one about 1.5% of a core here), and six idle
+applications beside the one measured took about 23% of this 2-core machine. The
+in-process engine runs while no application is deployed.
 
 The services run twice: streaming every token (stream_interval 1, the default: "agg",
 "disagg") and every `--stream-interval` tokens after the first ("agg_si<N>",
@@ -140,21 +144,9 @@ async def handoff_figures(
     return median(prefills[1:]), median(handoffs[1:])
 
 
-async def main_async(args: argparse.Namespace) -> None:
-    model_dir = ensure_default_model()
-    threads = min(2, cpu_count())
-    ray.init(
-        address="local",
-        num_cpus=16,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-    )
-    http_port, grpc_port = _free_port(), _free_port()
-    address = f"127.0.0.1:{grpc_port}"
-    ports = {"http_port": http_port, "grpc_port": grpc_port, "http_host": "127.0.0.1"}
-    # Prefix caching off everywhere: rounds repeat prompts, and hits would measure the
-    # cache rather than the serving path.
+def app_configs(args: argparse.Namespace) -> dict[str, AppConfig]:
+    """Every application the run measures, by name. Prefix caching is off everywhere:
+    rounds repeat prompts, and hits would measure the cache rather than the serving path."""
     agg_pool = PoolConfig(num_threads=args.agg_threads, dtype=args.dtype)
     si = args.stream_interval
     apps = {}
@@ -174,9 +166,39 @@ async def main_async(args: argparse.Namespace) -> None:
                 prefill=PoolConfig(num_threads=args.prefill_threads, dtype=args.dtype),
                 decode=PoolConfig(num_threads=args.decode_threads, dtype=args.dtype),
             )
-    for name, config in apps.items():
-        log(f"deploying {name}")
-        service_ops.deploy(config, app_name=name, route_prefix=f"/{name}", **ports)
+    return apps
+
+
+class Deployed:
+    """One application deployed for the length of a `with` block, then deleted."""
+
+    def __init__(self, name: str, config: AppConfig, ports: dict) -> None:
+        self.name, self.config, self.ports = name, config, ports
+
+    def __enter__(self) -> str:
+        log(f"deploying {self.name}")
+        service_ops.deploy(self.config, app_name=self.name, route_prefix="/", **self.ports)
+        return self.name
+
+    def __exit__(self, *exc) -> None:
+        serve.delete(self.name)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    model_dir = ensure_default_model()
+    threads = min(2, cpu_count())
+    ray.init(
+        address="local",
+        num_cpus=16,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+    )
+    http_port, grpc_port = _free_port(), _free_port()
+    address = f"127.0.0.1:{grpc_port}"
+    ports = {"http_port": http_port, "grpc_port": grpc_port, "http_host": "127.0.0.1"}
+    apps = app_configs(args)
+    si = args.stream_interval
 
     engine = AsyncEngine.from_config(
         EngineConfig(
@@ -189,24 +211,24 @@ async def main_async(args: argparse.Namespace) -> None:
     tok = engine.engine.tokenizer
     batches = {c: [topic_prompt(tok, TOPICS[i], PROMPT_TOKENS) for i in range(c)] for c in (8, 32)}
     disagg = f"disagg_{AppConfig().transport}"  # throughput over the default transport
-    systems = {
-        "engine": lambda p: engine_run(engine, p),
-        "agg": lambda p: service_run(address, "agg", p),
-        "disagg": lambda p: service_run(address, disagg, p),
-        f"agg_si{si}": lambda p: service_run(address, f"agg_si{si}", p),
-        f"disagg_si{si}": lambda p: service_run(address, f"{disagg}_si{si}", p),
-    }
-    for run in systems.values():  # warm-up
-        await run(batches[8][:2])
+    services = {"agg": "agg", "disagg": disagg, f"agg_si{si}": f"agg_si{si}"}
+    services[f"disagg_si{si}"] = f"{disagg}_si{si}"
 
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
+
+    async def measure(system: str, run) -> None:
+        await run(batches[8][:2])  # warm-up
+        for c, prompts in batches.items():
+            figures = await run(prompts)
+            results.setdefault((system, c), []).append(figures)
+            log(f"  c{c} {system:10s} {figures['tok_s']:.1f} tok/s")
+
     for r in range(args.rounds):
         log(f"round {r + 1}/{args.rounds}")
-        for c, prompts in batches.items():
-            for system, run in systems.items():
-                figures = await run(prompts)
-                results.setdefault((system, c), []).append(figures)
-                log(f"  c{c} {system:10s} {figures['tok_s']:.1f} tok/s")
+        await measure("engine", lambda p: engine_run(engine, p))
+        for system, app in services.items():
+            with Deployed(app, apps[app], ports):
+                await measure(system, lambda p, app=app: service_run(address, app, p))
     await engine.shutdown()
 
     context = {
@@ -227,14 +249,15 @@ async def main_async(args: argparse.Namespace) -> None:
             unit = "tok/s" if key == "tok_s" else "s"
             emit(f"{system}.c{c}_{key}", value, unit, concurrency=c, **context)
     for c in batches:
-        for system in [name for name in systems if name != "engine"]:
+        for system in services:
             ratio = medians[system, c]["tok_s"] / medians["engine", c]["tok_s"]
             emit(f"ratio.c{c}_tok_s.{system}_over_engine", ratio, "ratio", **context)
 
     long_prompt = topic_prompt(tok, TOPICS[1], 512)
     for transport in TRANSPORTS:
         app = f"disagg_{transport}"
-        prefill_s, handoff_s = await handoff_figures(address, app, long_prompt, 3)
+        with Deployed(app, apps[app], ports):
+            prefill_s, handoff_s = await handoff_figures(address, app, long_prompt, 3)
         ctx = {"transport": transport, **context}
         emit(f"disagg.prefill_512_s.{transport}", prefill_s, "s", **ctx)
         emit(f"disagg.handoff_512_s.{transport}", handoff_s, "s", **ctx)
