@@ -4,7 +4,8 @@ baton serve [--mode ...] [--prefill-replicas N] ...   deploy (starts Ray if need
 baton generate "prompt" [--chat]                        stream a completion over gRPC
 baton scale prefill|decode|aggregated N                 resize one pool, live
 baton status [--json]                                   pools, replicas, KV, hit rate
-baton stop                                              shut the service and Ray down
+baton stop                                              remove the service (and the Ray it started)
+baton drain [--deadline-s S]                            move this node's replicas away
 baton generate --local "prompt"                         no service: an in-process engine
 """
 
@@ -85,7 +86,27 @@ def _build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="pools, replicas, queues, KV usage, prefix hits")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
-    sub.add_parser("stop", help="shut the service down and stop the local Ray head")
+    sub.add_parser(
+        "stop",
+        help="remove the service; Serve too if nothing else runs on it, and Ray if "
+        "`baton serve` started it on this machine",
+    )
+
+    drain = sub.add_parser(
+        "drain",
+        help="drain this Ray node: Serve moves its replicas away, letting their streams "
+        "finish (a worker pod's preStop hook)",
+    )
+    drain.add_argument(
+        "--node-id", default=None, help="hex node id (default: this machine's only Ray node)"
+    )
+    drain.add_argument(
+        "--deadline-s",
+        type=int,
+        required=True,
+        help="seconds until the node is killed: how long to wait for its replicas to leave",
+    )
+    drain.add_argument("--address", default=None, help="the Ray cluster (default: auto)")
     return parser
 
 
@@ -320,8 +341,33 @@ def _stop(args: argparse.Namespace) -> int:
     from serve_app import service_ops
 
     service_ops.connect()
-    service_ops.stop()
+    stopped = service_ops.stop()
+    if not stopped.app_deleted:
+        log.info("no Baton application was deployed")
+    if stopped.app_deleted and not stopped.serve_shut_down:
+        log.info("Serve keeps running: other applications are deployed on it")
+    if stopped.local_head:
+        service_ops.stop_local_head()
+        log.info("stopped the local Ray head `baton serve` started")
+    else:
+        log.info("Ray keeps running: `baton serve` did not start this cluster here")
     return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    from serve_app.node_drain import drain
+
+    result = drain(args.node_id, deadline_s=args.deadline_s, address=args.address)
+    if result.drained:
+        log.info("node %s drained in %.1fs", result.node_id, result.waited_s)
+        return 0
+    log.warning(
+        "node %s still runs %d Serve replicas after %.1fs",
+        result.node_id,
+        result.replicas_left,
+        result.waited_s,
+    )
+    return 1
 
 
 _COMMANDS = {
@@ -330,6 +376,7 @@ _COMMANDS = {
     "scale": _scale,
     "status": _status,
     "stop": _stop,
+    "drain": _drain,
 }
 
 

@@ -1,7 +1,8 @@
 """The operator commands behind `baton serve`, `baton scale`, `baton status`, `baton stop`.
 
 They run in a short-lived driver: connect to the cluster (RAY_ADDRESS, or a local head
-this module starts and leaves running), act through Serve's Python API, and exit.
+this module starts, marks as its own, and leaves running), act through Serve's Python
+API, and exit.
 Scaling redeploys the same application with one pool's replica count changed; every
 deployment's version is pinned to its replicas' arguments (app.py), so Serve only adds
 or drains that pool's replicas and in-flight requests carry on.
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,9 @@ from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
 log = logging.getLogger("baton")
 
 LOCAL_HEAD_MIN_CPUS = 8
+# A Ray resource only heads that `baton serve` started offer: `baton stop` stops those
+# and leaves any other cluster running.
+LOCAL_HEAD_RESOURCE = "baton_local_head"
 # How long `deploy` waits for the application to run. Serve itself waits for ever and
 # keeps retrying a replica it cannot place (or whose engine cannot start), so an
 # unplaceable pool would otherwise hang `baton serve` / `baton scale` silently.
@@ -61,6 +66,7 @@ def connect(address: str | None = None, start_if_missing: bool = False) -> None:
             "start",
             "--head",
             f"--num-cpus={num_cpus}",
+            f'--resources={{"{LOCAL_HEAD_RESOURCE}": 1}}',
             "--include-dashboard=false",
             "--disable-usage-stats",
         ],
@@ -193,9 +199,40 @@ def status(app_name: str = APP_NAME, board_name: str = DEFAULT_BOARD_NAME) -> di
     }
 
 
-def stop() -> None:
-    """Shuts Serve down and stops the local Ray head, if this machine runs one."""
-    serve.shutdown()
+@dataclass(frozen=True)
+class Stopped:
+    """What `stop` took down, and whether the cluster is a head `baton serve` started on
+    this machine (then `stop_local_head` goes on to stop Ray)."""
+
+    app_deleted: bool
+    serve_shut_down: bool
+    local_head: bool
+
+
+def stop(app_name: str = APP_NAME) -> Stopped:
+    """Deletes the application, and Serve too when no other application is left on it:
+    a cluster joined through RAY_ADDRESS keeps its other applications, and Ray."""
+    from serve_app.node_drain import raylets
+
+    apps = set(serve.status().applications)  # empty when Serve is not running
+    if app_name in apps:
+        serve.delete(app_name)
+    others = apps - {app_name}
+    if apps and not others:
+        serve.shutdown()
+    heads = [n for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
+    local = raylets()
+    return Stopped(
+        app_deleted=app_name in apps,
+        serve_shut_down=bool(apps) and not others,
+        local_head=any(
+            LOCAL_HEAD_RESOURCE in n["Resources"] and n["NodeID"] in local for n in heads
+        ),
+    )
+
+
+def stop_local_head() -> None:
+    """Leaves the cluster and stops this machine's Ray (`ray stop`)."""
     ray.shutdown()
     ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
     subprocess.run([ray_bin, "stop"], check=False, stdout=subprocess.DEVNULL)

@@ -86,12 +86,23 @@ AUTOSCALING = {
     "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},
 }
 AGGREGATED = {"mode": "aggregated", "aggregated": {"replicas": 2}}
+# A model from a PersistentVolumeClaim, a bounded /dev/shm, a longer stop for decode.
+MODEL_VOLUME = {
+    "model": {"path": "/models/SmolLM2-135M-Instruct"},
+    "volumes": [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    ],
+    "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+    "sharedMemory": {"enabled": True, "sizeLimit": "2Gi"},
+    "decode": {"terminationGracePeriodSeconds": 600},
+}
 VALUE_SETS = {
     "default": {},
     "cpu-only": CPU_ONLY,
     "multi-gpu-tp": MULTI_GPU_TP,
     "autoscaling": AUTOSCALING,
     "aggregated": AGGREGATED,
+    "model-volume": MODEL_VOLUME,
 }
 value_sets = pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
 

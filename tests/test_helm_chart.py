@@ -67,6 +67,9 @@ def test_lint_strict_is_clean(values):
         ),
         ({"decode": {"rayResource": "baton_prefill"}}, ["decode.rayResource", "prefill"]),
         ({"prefill": {"replicas": 0}}, ["prefill.replicas must be >= 1", "autoscaling"]),
+        ({"sharedMemory": {"sizeLimit": "lots"}}, ["/sharedMemory/sizeLimit", "pattern"]),
+        ({"decode": {"terminationGracePeriodSeconds": 5}}, ["terminationGracePeriodSeconds"]),
+        ({"volumeMounts": [{"name": "models"}]}, ["/volumeMounts/0", "mountPath"]),
         (
             {"prefill": {"tensorParallelSize": 3}},
             ["prefill pods have 2 CPUs", "needs 4", "prefill.tensorParallelSize=3"],

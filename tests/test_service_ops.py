@@ -103,3 +103,28 @@ def test_a_serve_config_that_rescales_one_pool_keeps_its_running_replicas(
     finally:
         serve.delete(APP_NAME)
         serve.shutdown()
+
+
+def test_stop_removes_only_its_application_from_a_cluster_it_did_not_start(
+    ray_cluster, smollm2_dir, serve_ports
+):
+    config = AppConfig(
+        model=str(smollm2_dir), mode="aggregated", aggregated=PoolConfig(kv_cache_bytes=KV)
+    )
+    service_ops.deploy(config, **serve_ports)
+    service_ops.deploy(config, app_name="neighbour", route_prefix="/neighbour", **serve_ports)
+
+    # The session's Ray was started by pytest, not `baton serve`: it stays, and so does
+    # the neighbouring application, until it is the last one.
+    assert service_ops.stop() == service_ops.Stopped(
+        app_deleted=True, serve_shut_down=False, local_head=False
+    )
+    assert set(serve.status().applications) == {"neighbour"}
+    assert service_ops.stop("neighbour") == service_ops.Stopped(
+        app_deleted=True, serve_shut_down=True, local_head=False
+    )
+    assert not serve.status().applications
+    assert service_ops.stop() == service_ops.Stopped(
+        app_deleted=False, serve_shut_down=False, local_head=False
+    )
+    assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 16

@@ -218,7 +218,10 @@ KubeRay pastes the value into a shell command line).
 {{- printf "\"%s\"" (dict . 1 | toJson | replace "\"" "\\\"") }}
 {{- end }}
 
-{{/* A Ray container: image, ports, resources, environment. Takes dict(root, name, resources). */}}
+{{/*
+A Ray container: image, ports, resources, environment, mounts. Takes dict(root, name,
+resources, preStop): preStop is the shell command the container runs before it stops.
+*/}}
 {{- define "baton.container" -}}
 - name: {{ .name }}
   image: {{ include "baton.image" .root | quote }}
@@ -246,11 +249,45 @@ KubeRay pastes the value into a shell command line).
   env:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  # Ray leaves the cluster before the pod dies: the head notices at once.
+  {{- $mounts := .root.Values.volumeMounts }}
+  {{- if .root.Values.sharedMemory.enabled }}
+  {{- $mounts = prepend $mounts (dict "name" "dshm" "mountPath" "/dev/shm") }}
+  {{- end }}
+  {{- with $mounts }}
+  volumeMounts:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   lifecycle:
     preStop:
       exec:
-        command: ["/bin/sh", "-c", "ray stop"]
+        command: ["/bin/sh", "-c", {{ .preStop | quote }}]
+{{- end }}
+
+{{/* The volumes of a Ray pod: values.volumes, and the memory-backed /dev/shm. */}}
+{{- define "baton.volumes" -}}
+{{- $volumes := .Values.volumes }}
+{{- if .Values.sharedMemory.enabled }}
+{{- $shm := dict "medium" "Memory" }}
+{{- with .Values.sharedMemory.sizeLimit }}{{ $_ := set $shm "sizeLimit" . }}{{ end }}
+{{- $volumes = prepend $volumes (dict "name" "dshm" "emptyDir" $shm) }}
+{{- end }}
+{{- with $volumes }}
+volumes:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+A worker pod's stop: `baton drain` has Serve move the pod's replica elsewhere and waits
+for its streams, until 10 s before Kubernetes' SIGKILL; then Ray leaves the cluster,
+drained or not. Takes the pool; gives its grace period and its preStop command.
+*/}}
+{{- define "baton.gracePeriod" -}}
+{{- default (add (int .replica.gracefulShutdownTimeoutS) 60) .terminationGracePeriodSeconds }}
+{{- end }}
+
+{{- define "baton.workerPreStop" -}}
+{{- printf "baton drain --deadline-s %d; ray stop" (sub (int (include "baton.gracePeriod" .)) 10) }}
 {{- end }}
 
 {{/* Pod-level scheduling and metadata shared by head and workers. Takes dict(root, group, spec). */}}

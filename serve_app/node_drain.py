@@ -1,0 +1,148 @@
+"""Taking a Ray node out of service without cutting its streams: `baton drain`, the
+preStop hook of the Helm chart's worker pods.
+
+Kubernetes stops a pod (a node drain, an eviction, a scale-down it picked itself) by
+running the pod's preStop hook, then sending SIGTERM, then SIGKILL once
+terminationGracePeriodSeconds have passed. A bare `ray stop` there ends every stream the
+pod's replica is serving. Draining the Ray node first, the GCS call Ray's autoscaler
+makes before it removes a node, lets Serve migrate the node's replicas: it starts a
+replacement elsewhere, routes new requests to it, and stops the old replica gracefully
+(each pool's `graceful_shutdown_timeout_s`), so streams in flight finish. `drain` asks
+for that and then waits until no Serve replica process is left under the node's raylet,
+or the deadline passes; the hook stops Ray after it either way.
+
+Which processes belong to which node is read from /proc: Ray's raylet carries its node
+id on its command line, and Ray's workers are its children, titled `ray::ServeReplica:...`
+when they host a replica. That needs no dashboard and no connection to the cluster, and
+on a pod (one raylet) it needs no node id either.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPLICA_TITLE = "ray::ServeReplica:"
+_PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    node_id: str
+    replicas_left: int  # Serve replica processes still on the node when `drain` returned
+    waited_s: float
+
+    @property
+    def drained(self) -> bool:
+        return self.replicas_left == 0
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = (_PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:  # gone meanwhile, or not ours to read
+        return []
+    return raw.decode(errors="replace").rstrip("\0").split("\0")
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in _PROC.iterdir() if p.name.isdigit()]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # The command name in parentheses may itself hold spaces or parentheses.
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def raylets() -> dict[str, int]:
+    """This machine's raylets: node id (hex) -> process id."""
+    found = {}
+    for pid in _pids():
+        argv = _cmdline(pid)
+        if argv and argv[0].endswith("/raylet"):
+            for arg in argv[1:]:
+                if arg.startswith("--node_id="):
+                    found[arg.removeprefix("--node_id=")] = pid
+    return found
+
+
+def replica_processes(raylet_pid: int) -> list[int]:
+    """The Serve replica processes a raylet started (Ray's workers are its children)."""
+    return [
+        pid
+        for pid in _pids()
+        if _parent(pid) == raylet_pid and " ".join(_cmdline(pid)).startswith(REPLICA_TITLE)
+    ]
+
+
+def local_node_id() -> str:
+    """The node id of this machine's one raylet (a pod's); ValueError when there are
+    none or several, naming the flag that picks one."""
+    found = raylets()
+    if len(found) != 1:
+        where = ", ".join(found) or "none"
+        raise ValueError(
+            f"--node-id is needed: this machine runs {len(found)} Ray nodes ({where}), "
+            "and without it `baton drain` takes the only one"
+        )
+    return next(iter(found))
+
+
+def request_drain(node_id: str, deadline_s: int, address: str | None = None) -> None:
+    """Asks the GCS to drain `node_id`, announcing it is killed in `deadline_s`.
+
+    Through `ray drain-node`, the CLI over the call Ray's autoscaler makes. The reason
+    given is preemption: the node goes away whether or not it is busy (Ray's other
+    reason, idle termination, is the autoscaler's for nodes it found idle).
+    ConnectionError with Ray's message if the GCS refuses.
+    """
+    # The `ray` beside this interpreter: a pod's hook may run without the venv on PATH.
+    ray_cli = Path(sys.executable).with_name("ray")
+    command = [
+        str(ray_cli) if ray_cli.exists() else "ray",
+        "drain-node",
+        f"--node-id={node_id}",
+        "--reason=DRAIN_NODE_REASON_PREEMPTION",
+        "--reason-message=baton drain: the pod is stopping",
+        f"--deadline-remaining-seconds={deadline_s}",
+    ]
+    if address:
+        command.append(f"--address={address}")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip().splitlines()
+        raise ConnectionError(
+            f"Ray refused to drain node {node_id}: {detail[-1] if detail else 'no message'}"
+        )
+
+
+def drain(
+    node_id: str | None = None,
+    *,
+    deadline_s: int,
+    address: str | None = None,
+    poll_s: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> DrainResult:
+    """Drains the node (default: this machine's only one) and waits up to `deadline_s`
+    for Serve to move its replicas away."""
+    if deadline_s < 1:
+        raise ValueError(f"deadline_s must be >= 1 second, got {deadline_s}")
+    node_id = node_id or local_node_id()
+    raylet = raylets().get(node_id)
+    if raylet is None:
+        raise ValueError(f"node {node_id} runs no raylet on this machine; see `ray status`")
+    start = clock()
+    request_drain(node_id, deadline_s, address)
+    while (left := len(replica_processes(raylet))) and clock() - start < deadline_s:
+        sleep(poll_s)
+    return DrainResult(node_id=node_id, replicas_left=left, waited_s=clock() - start)

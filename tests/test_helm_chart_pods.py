@@ -1,0 +1,71 @@
+"""How the Helm chart's Ray pods start and stop: the volumes every Ray container mounts
+(values.volumes, a memory-backed /dev/shm for Ray's object store) and the worker pods'
+stop, which drains the pod's Serve replica (`baton drain`) within the grace period."""
+
+from __future__ import annotations
+
+import shlex
+
+from helm_chart_helpers import MODEL_VOLUME, _groups, _merged, _rayservice, _render, value_sets
+
+from serve_app.cli import _build_parser
+
+
+def _pods(rayservice: dict) -> dict[str, dict]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    pods = {"head": cluster["headGroupSpec"]["template"]["spec"]}
+    pods.update({role: g["template"]["spec"] for role, g in _groups(rayservice).items()})
+    return pods
+
+
+def _pre_stop(pod: dict) -> str:
+    (container,) = pod["containers"]
+    shell, flag, command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert (shell, flag) == ("/bin/sh", "-c")
+    return command
+
+
+@value_sets
+def test_every_ray_pod_mounts_the_volumes_and_a_memory_backed_dev_shm(chart, values):
+    merged = _merged(chart, values)
+    for role, pod in _pods(_rayservice(_render(chart, values))).items():
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (container,) = pod["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        shm = volumes[mounts.pop("/dev/shm")]["emptyDir"]
+        assert shm["medium"] == "Memory", role
+        assert shm.get("sizeLimit") == merged["sharedMemory"].get("sizeLimit"), role
+        assert mounts == {m["mountPath"]: m["name"] for m in merged["volumeMounts"]}
+        assert [v for n, v in volumes.items() if n != "dshm"] == merged["volumes"]
+
+
+def test_shared_memory_can_be_left_to_kubernetes(chart):
+    values = {"sharedMemory": {"enabled": False}}
+    for pod in _pods(_rayservice(_render(chart, values))).values():
+        assert "volumes" not in pod
+        assert "volumeMounts" not in pod["containers"][0]
+
+
+@value_sets
+def test_a_stopping_worker_drains_its_replica_within_the_grace_period(chart, values):
+    merged = _merged(chart, values)
+    pods = _pods(_rayservice(_render(chart, values)))
+    # The head hosts no engine replica: Ray leaves at once.
+    assert _pre_stop(pods.pop("head")) == "ray stop"
+    for role, pod in pods.items():
+        pool = merged[role]
+        grace = pool.get("terminationGracePeriodSeconds")  # Helm drops a null
+        if grace is None:  # time for a replacement to start, then for the streams to end
+            grace = int(pool["replica"]["gracefulShutdownTimeoutS"]) + 60
+        assert pod["terminationGracePeriodSeconds"] == grace
+        drain, stop = _pre_stop(pod).split("; ")
+        assert stop == "ray stop"  # drained or not, Ray leaves before the SIGKILL
+        args = _build_parser().parse_args(shlex.split(drain)[1:])
+        assert (args.command, args.node_id, args.address) == ("drain", None, None)
+        assert args.deadline_s == grace - 10
+
+
+def test_one_pool_may_take_longer_to_stop(chart):
+    pods = _pods(_rayservice(_render(chart, MODEL_VOLUME)))
+    assert pods["decode"]["terminationGracePeriodSeconds"] == 600
+    assert pods["prefill"]["terminationGracePeriodSeconds"] == 180
