@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import uuid
 from typing import TYPE_CHECKING
@@ -45,6 +46,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="render PROMPT with the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--address", default="localhost:9000", help="the service's gRPC address")
+    gen.add_argument(
+        "--api-key",
+        default=os.environ.get("BATON_API_KEY"),
+        help="for a service deployed with api_key_file (default: $BATON_API_KEY)",
+    )
     gen.add_argument("--local", action="store_true", help="run an engine in this process")
     gen.add_argument(
         "--model",
@@ -187,7 +193,7 @@ def _generate_remote(args: argparse.Namespace, messages: list[dict] | None) -> i
         args.prompt if messages is None else None, messages=messages, **sampling
     )
     last = None
-    with BatonClient(args.address) as client:
+    with BatonClient(args.address, api_key=args.api_key) as client:
         try:
             for last in client.generate(request):
                 _write(last.text)

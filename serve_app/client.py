@@ -35,11 +35,19 @@ def generate_request(
 
 
 class BatonClient:
-    def __init__(self, address: str = f"localhost:{GRPC_PORT}", application: str = APP_NAME):
+    def __init__(
+        self,
+        address: str = f"localhost:{GRPC_PORT}",
+        application: str = APP_NAME,
+        api_key: str | None = None,
+    ):
+        """`api_key`: sent as `authorization: Bearer <key>` to a service that asks for one."""
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.BatonStub(self.channel)
         # Serve's gRPC proxy routes by this header when it serves several applications.
-        self.metadata = (("application", application),)
+        self.metadata: tuple[tuple[str, str], ...] = (("application", application),)
+        if api_key:
+            self.metadata += (("authorization", f"Bearer {api_key}"),)
 
     def generate(
         self, request: pb.GenerateRequest, timeout: float | None = None

@@ -112,6 +112,9 @@ class AppConfig(_Frozen):
     registry_name: str = Field("baton-prefix-registry", min_length=1)
     # Name of the detached actor replicas post their stats to (for `baton status`).
     status_board_name: str = Field(DEFAULT_BOARD_NAME, min_length=1)
+    # A file on the router's machine holding the service's API keys, one per line, read
+    # again when it changes (see api_keys.py). None: no key is asked for.
+    api_key_file: str | None = Field(None, min_length=1)
 
     def model_dir(self) -> Path:
         """The model's local folder (the bundled default is unpacked on first use)."""

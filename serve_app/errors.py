@@ -14,6 +14,7 @@ import logging
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from serve_app.api_keys import Unauthenticated
 from workers.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -26,8 +27,11 @@ def root_cause(exc: BaseException) -> BaseException:
 
 
 def public_error(exc: BaseException) -> tuple[str, str]:
-    """(kind, message): kind is invalid | overloaded | unavailable | cancelled | internal."""
+    """(kind, message): kind is invalid | unauthenticated | overloaded | unavailable |
+    cancelled | internal."""
     cause = root_cause(exc)
+    if isinstance(cause, Unauthenticated):
+        return "unauthenticated", _line(cause)
     if isinstance(cause, (EngineOverloadedError, BackPressureError)):
         return "overloaded", f"the service is at capacity; retry later ({_line(cause)})"
     if isinstance(cause, (EngineDeadError, RayActorError, DeploymentUnavailableError)):

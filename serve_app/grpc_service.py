@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import grpc
 
+from serve_app.config import AppConfig
 from serve_app.errors import public_error
 from serve_app.grpc_api import baton_pb2 as pb
-from serve_app.prompts import PromptInput
+from serve_app.prompts import ModelFrontend, PromptInput
 from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import SamplingParams, TokenLogprob
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from workers.engine.sequence import FinishReason
 
 FINISH_REASONS = {
@@ -105,8 +106,39 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     kind, message = public_error(exc)
     return {
         "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+        "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
         "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
         "unavailable": grpc.StatusCode.UNAVAILABLE,
         "cancelled": grpc.StatusCode.CANCELLED,
         "internal": grpc.StatusCode.INTERNAL,
     }[kind], message
+
+
+def model_info(
+    config: AppConfig,
+    served_model_name: str,
+    frontend: ModelFrontend,
+    dtypes: dict[str, str],
+    replica_counts: dict[str, int],
+) -> pb.ModelInfo:
+    """GetModelInfo's reply: the model, and each side of the service (an aggregated pool
+    is both prefill and decode). `dtypes` by pool; `replica_counts` running, by deployment."""
+    pools = config.pools()
+    prefill, decode = (pools.get(role, config.aggregated) for role in ("prefill", "decode"))
+    both = replica_counts.get("EngineServer", 0)
+    return pb.ModelInfo(
+        model_id=served_model_name,
+        max_model_len=frontend.max_model_len,
+        vocab_size=frontend.vocab_size,
+        block_size=config.block_size,
+        eos_token_ids=frontend.eos_token_ids,
+        has_chat_template=frontend.tokenizer.has_chat_template,
+        max_logprobs=MAX_LOGPROBS,
+        mode=config.mode,
+        prefill_tensor_parallel_size=prefill.tensor_parallel_size,
+        decode_tensor_parallel_size=decode.tensor_parallel_size,
+        num_prefill_replicas=replica_counts.get("PrefillServer", both),
+        num_decode_replicas=replica_counts.get("DecodeServer", both),
+        prefill_dtype=dtypes.get("prefill", dtypes.get("aggregated")),
+        decode_dtype=dtypes.get("decode", dtypes.get("aggregated")),
+    )

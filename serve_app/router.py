@@ -27,10 +27,12 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from serve_app import openai_api
+from serve_app.api_keys import ApiKeys, authorization
 from serve_app.config import AppConfig
 from serve_app.errors import public_error, root_cause
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.grpc_service import (
+    model_info,
     params_from_proto,
     prompt_from_proto,
     response_from_outputs,
@@ -45,15 +47,22 @@ from serve_app.stream_merge import merge_streams
 from serve_app.text_stream import TextStream
 from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import model_identity
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "baton.v1.Baton"
-_HTTP_STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500}
+_HTTP_STATUS = {
+    "invalid": 400,
+    "unauthenticated": 401,
+    "overloaded": 503,
+    "unavailable": 503,
+    "internal": 500,
+}
 _HTTP_ERROR_TYPE = {
     "invalid": "invalid_request_error",
+    "unauthenticated": "invalid_request_error",  # OpenAI's type for a bad key (code 401)
     "overloaded": "overloaded_error",
     "unavailable": "service_unavailable_error",
     "internal": "internal_error",
@@ -67,7 +76,8 @@ def _http_error(exc: BaseException) -> JSONResponse:
     status = _HTTP_STATUS.get(kind, 500)
     param = getattr(root_cause(exc), "param", None)  # an openai_api.RequestFieldError's field
     body = error_body(message, _HTTP_ERROR_TYPE.get(kind, kind), param)
-    return JSONResponse(body, status)
+    headers = {"WWW-Authenticate": "Bearer"} if kind == "unauthenticated" else None
+    return JSONResponse(body, status, headers=headers)
 
 
 async def _sse(
@@ -98,6 +108,10 @@ def _set_status(grpc_context: RayServegRPCContext, exc: BaseException) -> None:
     code, message = status_for(exc)
     grpc_context.set_code(code)
     grpc_context.set_details(message)
+
+
+def _grpc_authorization(grpc_context: RayServegRPCContext) -> str | None:
+    return authorization(grpc_context.invocation_metadata())
 
 
 def _replica_counts() -> dict[str, int]:
@@ -135,6 +149,12 @@ class Router:
         self.registry = get_or_create_registry(self.registry_config)
         self.pool = pool.options(stream=True)
         self.metrics = RouterMetrics(serve.get_replica_context().app_name)
+        self.api_keys = None if config.api_key_file is None else ApiKeys(config.api_key_file)
+
+    def _authorize(self, header: str | None) -> None:
+        """Unauthenticated unless the service is open or `header` carries one of its keys."""
+        if self.api_keys is not None:
+            self.api_keys.check(header)
 
     # -- the shared path -----------------------------------------------------------
 
@@ -210,9 +230,12 @@ class Router:
 
     # -- gRPC: baton.v1.Baton ----------------------------------------------------------
 
-    async def _proto_outputs(self, request: pb.GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def _proto_outputs(
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[RequestOutput]:
         started = time.perf_counter()
         try:
+            self._authorize(_grpc_authorization(grpc_context))
             prompt = prompt_from_proto(request)
             ids = self.frontend.tokenize(prompt)
             params = params_from_proto(request, self.frontend.max_model_len - len(ids))
@@ -230,7 +253,7 @@ class Router:
     ) -> AsyncIterator[pb.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
         try:
-            async for out in self._proto_outputs(request):
+            async for out in self._proto_outputs(request, grpc_context):
                 yield response_from_outputs(rid, [out])
         except Exception as e:
             _set_status(grpc_context, e)
@@ -241,7 +264,7 @@ class Router:
     ) -> pb.GenerateResponse:
         rid = request.request_id or uuid.uuid4().hex
         try:
-            outputs = [out async for out in self._proto_outputs(request)]
+            outputs = [out async for out in self._proto_outputs(request, grpc_context)]
         except Exception as e:
             _set_status(grpc_context, e)
             raise
@@ -251,35 +274,23 @@ class Router:
         self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
     ) -> pb.TokenizeResponse:
         try:
+            self._authorize(_grpc_authorization(grpc_context))
             ids = self.frontend.tokenize(prompt_from_proto(request))
         except Exception as e:
             _set_status(grpc_context, e)
             raise
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
-    async def GetModelInfo(self, request: pb.ModelInfoRequest) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self, request: pb.ModelInfoRequest, grpc_context: RayServegRPCContext
+    ) -> pb.ModelInfo:
+        try:
+            self._authorize(_grpc_authorization(grpc_context))
+        except Exception as e:
+            _set_status(grpc_context, e)
+            raise
         counts = await asyncio.to_thread(_replica_counts)
-        pools = self.config.pools()
-        return pb.ModelInfo(
-            model_id=self.served_model_name,
-            max_model_len=self.frontend.max_model_len,
-            vocab_size=self.frontend.vocab_size,
-            block_size=self.config.block_size,
-            eos_token_ids=self.frontend.eos_token_ids,
-            has_chat_template=self.frontend.tokenizer.has_chat_template,
-            max_logprobs=MAX_LOGPROBS,
-            mode=self.config.mode,
-            prefill_tensor_parallel_size=pools.get(
-                "prefill", self.config.aggregated
-            ).tensor_parallel_size,
-            decode_tensor_parallel_size=pools.get(
-                "decode", self.config.aggregated
-            ).tensor_parallel_size,
-            num_prefill_replicas=counts.get("PrefillServer", counts.get("EngineServer", 0)),
-            num_decode_replicas=counts.get("DecodeServer", counts.get("EngineServer", 0)),
-            prefill_dtype=self.dtypes.get("prefill", self.dtypes.get("aggregated")),
-            decode_dtype=self.dtypes.get("decode", self.dtypes.get("aggregated")),
-        )
+        return model_info(self.config, self.served_model_name, self.frontend, self.dtypes, counts)
 
     # -- gRPC: grpc.health.v1.Health ----------------------------------------------------
 
@@ -316,7 +327,11 @@ class Router:
         return {"status": "ok"}
 
     @http_app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, raw: Request):
+        try:
+            self._authorize(raw.headers.get("authorization"))
+        except Exception as e:
+            return _http_error(e)
         return {
             "object": "list",
             "data": [
@@ -341,6 +356,7 @@ class Router:
     async def _openai(self, raw: Request, model: type, chat: bool):
         started = time.perf_counter()
         try:
+            self._authorize(raw.headers.get("authorization"))
             try:
                 body = await raw.json()
             except (json.JSONDecodeError, UnicodeDecodeError):

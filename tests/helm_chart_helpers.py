@@ -95,6 +95,7 @@ MODEL_VOLUME = {
     "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
     "sharedMemory": {"enabled": True, "sizeLimit": "2Gi"},
     "decode": {"terminationGracePeriodSeconds": 600},
+    "apiKey": {"secretName": "baton-api-keys", "secretKey": "keys"},
 }
 VALUE_SETS = {
     "default": {},

@@ -70,6 +70,7 @@ def test_lint_strict_is_clean(values):
         ({"sharedMemory": {"sizeLimit": "lots"}}, ["/sharedMemory/sizeLimit", "pattern"]),
         ({"decode": {"terminationGracePeriodSeconds": 5}}, ["terminationGracePeriodSeconds"]),
         ({"volumeMounts": [{"name": "models"}]}, ["/volumeMounts/0", "mountPath"]),
+        ({"apiKey": {"secretName": "keys", "secretKey": ""}}, ["/apiKey/secretKey"]),
         (
             {"prefill": {"tensorParallelSize": 3}},
             ["prefill pods have 2 CPUs", "needs 4", "prefill.tensorParallelSize=3"],

@@ -1,12 +1,21 @@
 """How the Helm chart's Ray pods start and stop: the volumes every Ray container mounts
-(values.volumes, a memory-backed /dev/shm for Ray's object store) and the worker pods'
-stop, which drains the pod's Serve replica (`baton drain`) within the grace period."""
+(values.volumes, a memory-backed /dev/shm for Ray's object store), the API keys they
+receive from a Secret, and the worker pods' stop, which drains the pod's Serve replica
+(`baton drain`) within the grace period."""
 
 from __future__ import annotations
 
 import shlex
 
-from helm_chart_helpers import MODEL_VOLUME, _groups, _merged, _rayservice, _render, value_sets
+from helm_chart_helpers import (
+    MODEL_VOLUME,
+    _groups,
+    _merged,
+    _rayservice,
+    _render,
+    _serve_config,
+    value_sets,
+)
 
 from serve_app.cli import _build_parser
 
@@ -35,8 +44,33 @@ def test_every_ray_pod_mounts_the_volumes_and_a_memory_backed_dev_shm(chart, val
         shm = volumes[mounts.pop("/dev/shm")]["emptyDir"]
         assert shm["medium"] == "Memory", role
         assert shm.get("sizeLimit") == merged["sharedMemory"].get("sizeLimit"), role
+        mounts = {path: name for path, name in mounts.items() if name != "api-keys"}
         assert mounts == {m["mountPath"]: m["name"] for m in merged["volumeMounts"]}
-        assert [v for n, v in volumes.items() if n != "dshm"] == merged["volumes"]
+        ours = ("dshm", "api-keys")  # the next tests look at the API keys' volume
+        assert [v for n, v in volumes.items() if n not in ours] == merged["volumes"]
+
+
+@value_sets
+def test_the_api_keys_secret_is_mounted_where_the_router_reads_it(chart, values):
+    merged = _merged(chart, values)
+    rayservice = _rayservice(_render(chart, values))
+    (app,) = _serve_config(rayservice)["applications"]
+    secret = merged["apiKey"]
+    for pod in _pods(rayservice).values():
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        mounts = {m["name"]: m for m in pod["containers"][0].get("volumeMounts", [])}
+        if not secret["secretName"]:
+            assert "api-keys" not in volumes and "api_key_file" not in app["args"]
+            continue
+        # The Serve config names the file, never a key; a whole-volume mount (no
+        # subPath), which the kubelet updates in place when the Secret changes.
+        mount = mounts["api-keys"]
+        assert "subPath" not in mount and mount["readOnly"] is True
+        source = volumes["api-keys"]["secret"]
+        (item,) = source["items"]
+        assert source["secretName"] == secret["secretName"]
+        assert item["key"] == secret["secretKey"]
+        assert app["args"]["api_key_file"] == f"{mount['mountPath']}/{item['path']}"
 
 
 def test_shared_memory_can_be_left_to_kubernetes(chart):

@@ -123,6 +123,8 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "handoff_timeout_s": v["handoffTimeoutS"],
             "stream_interval": v["streamInterval"],
             "registry_name": v["registryName"],
+            # The Secret's mount (test_helm_chart_pods.py); the keys stay out of the config.
+            "api_key_file": "/etc/baton/api-keys/keys" if v["apiKey"]["secretName"] else None,
             "router": {
                 "num_replicas": v["router"]["replicas"],
                 "num_cpus": v["router"]["numCpus"],

@@ -186,6 +186,9 @@ to equality, so a change to one must be made in the other.
 {{- if $v.model.maxModelLen }}
 {{- $_ := set $args "max_model_len" $v.model.maxModelLen }}
 {{- end }}
+{{- if $v.apiKey.secretName }}
+{{- $_ := set $args "api_key_file" (include "baton.apiKeyFile" .) }}
+{{- end }}
 {{- $deployments := list (dict "name" "Router" "num_replicas" $v.router.replicas) }}
 {{- range $role := splitList "," (include "baton.roles" .) }}
 {{- $_ := set $args $role (include "baton.poolArgs" (dict "root" $ "role" $role) | fromJson) }}
@@ -253,6 +256,10 @@ resources, preStop): preStop is the shell command the container runs before it s
   {{- if .root.Values.sharedMemory.enabled }}
   {{- $mounts = prepend $mounts (dict "name" "dshm" "mountPath" "/dev/shm") }}
   {{- end }}
+  {{- if .root.Values.apiKey.secretName }}
+  {{- $dir := dir (include "baton.apiKeyFile" .root) }}
+  {{- $mounts = append $mounts (dict "name" "api-keys" "mountPath" $dir "readOnly" true) }}
+  {{- end }}
   {{- with $mounts }}
   volumeMounts:
     {{- toYaml . | nindent 4 }}
@@ -263,9 +270,22 @@ resources, preStop): preStop is the shell command the container runs before it s
         command: ["/bin/sh", "-c", {{ .preStop | quote }}]
 {{- end }}
 
+{{/* Where every Ray container finds the API keys Secret (AppConfig.api_key_file): a
+whole-volume mount, not a subPath, so Kubernetes updates it in place when the Secret
+changes and the router picks the new keys up. */}}
+{{- define "baton.apiKeyFile" -}}
+/etc/baton/api-keys/keys
+{{- end }}
+
 {{/* The volumes of a Ray pod: values.volumes, and the memory-backed /dev/shm. */}}
 {{- define "baton.volumes" -}}
 {{- $volumes := .Values.volumes }}
+{{- with .Values.apiKey }}
+{{- if .secretName }}
+{{- $items := list (dict "key" .secretKey "path" (base (include "baton.apiKeyFile" $))) }}
+{{- $volumes = append $volumes (dict "name" "api-keys" "secret" (dict "secretName" .secretName "items" $items)) }}
+{{- end }}
+{{- end }}
 {{- if .Values.sharedMemory.enabled }}
 {{- $shm := dict "medium" "Memory" }}
 {{- with .Values.sharedMemory.sizeLimit }}{{ $_ := set $shm "sizeLimit" . }}{{ end }}
