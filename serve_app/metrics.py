@@ -39,8 +39,9 @@ class RouterMetrics:
         )
         self.requests = Counter(
             "baton_requests_total",
-            "Requests ended, by finish reason (stop, length, abort, none) and status "
-            "(ok, invalid, overloaded, unavailable, cancelled, internal).",
+            "Requests ended, by finish reason (stop, length, abort, none; with n choices, "
+            "the first choice's) and status (ok, invalid, unauthenticated, overloaded, "
+            "unavailable, cancelled, internal).",
             ("app", "api", "finish_reason", "status"),
         )
         self.prompt_tokens = Counter("baton_prompt_tokens_total", "Prompt tokens served.", keys)
@@ -66,8 +67,12 @@ class RouterMetrics:
         self.requests.inc(1, {**tags, "finish_reason": finish_reason, "status": status})
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens, tags)
-        if generated_tokens:
-            self.generation_tokens.inc(generated_tokens, tags)
+        self.generated(api, generated_tokens)
+
+    def generated(self, api: str, num_tokens: int) -> None:
+        """Tokens of a request's other choices (`ended` counts the first's)."""
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens, {**self._tags, "api": api})
 
 
 class ReplicaMetrics:

@@ -5,13 +5,31 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fastapi.responses import JSONResponse
+
+from serve_app.errors import public_error, root_cause
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 
 DONE_EVENT = "data: [DONE]\n\n"
+# errors.public_error's kinds, as HTTP statuses and OpenAI error types.
+HTTP_STATUS = {
+    "invalid": 400,
+    "unauthenticated": 401,
+    "overloaded": 503,
+    "unavailable": 503,
+    "internal": 500,
+}
+HTTP_ERROR_TYPE = {
+    "invalid": "invalid_request_error",
+    "unauthenticated": "invalid_request_error",  # OpenAI's type for a bad key (code 401)
+    "overloaded": "overloaded_error",
+    "unavailable": "service_unavailable_error",
+    "internal": "internal_error",
+}
 
 
 def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
@@ -148,3 +166,38 @@ class ResponseBuilder:
             **body,
         }
         return f"data: {json.dumps(obj)}\n\n"
+
+
+def http_error(exc: BaseException) -> JSONResponse:
+    """The error response for a request that failed before its first byte was sent."""
+    kind, message = public_error(exc)
+    status = HTTP_STATUS.get(kind, 500)
+    param = getattr(root_cause(exc), "param", None)  # an openai_api.RequestFieldError's field
+    body = error_body(message, HTTP_ERROR_TYPE.get(kind, kind), param)
+    headers = {"WWW-Authenticate": "Bearer"} if kind == "unauthenticated" else None
+    return JSONResponse(body, status, headers=headers)
+
+
+async def sse_events(
+    builder: ResponseBuilder,
+    first: tuple[int, RequestOutput],
+    rest: AsyncIterator[tuple[int, RequestOutput]],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """The SSE events of a request's choices, from (choice index, output) pairs; an error
+    mid-stream (the status line is sent by then) is an error event, then `[DONE]`."""
+    lasts = {first[0]: first[1]}
+    yield builder.chunk(first[1], first[0])
+    try:
+        async for index, out in rest:
+            lasts[index] = out
+            yield builder.chunk(out, index)
+    except Exception as e:  # mid-stream: the status line is sent, so an error event
+        kind, message = public_error(e)
+        body = error_body(message, HTTP_ERROR_TYPE.get(kind, kind))
+        yield f"data: {json.dumps(body)}\n\n"
+        yield DONE_EVENT  # the stream ends as every stream does (vLLM does too)
+        return
+    if include_usage:
+        yield builder.usage_chunk([lasts[i] for i in sorted(lasts)])
+    yield DONE_EVENT

@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app import openai_api
 from serve_app.api_keys import ApiKeys, authorization
 from serve_app.config import AppConfig
-from serve_app.errors import public_error, root_cause
+from serve_app.errors import public_error
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.grpc_service import (
     model_info,
@@ -39,7 +39,7 @@ from serve_app.grpc_service import (
     status_for,
 )
 from serve_app.metrics import RouterMetrics
-from serve_app.openai_responses import DONE_EVENT, ResponseBuilder, error_body
+from serve_app.openai_responses import ResponseBuilder, error_body, http_error, sse_events
 from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
 from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
@@ -53,55 +53,7 @@ from workers.model.loader import model_identity
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "baton.v1.Baton"
-_HTTP_STATUS = {
-    "invalid": 400,
-    "unauthenticated": 401,
-    "overloaded": 503,
-    "unavailable": 503,
-    "internal": 500,
-}
-_HTTP_ERROR_TYPE = {
-    "invalid": "invalid_request_error",
-    "unauthenticated": "invalid_request_error",  # OpenAI's type for a bad key (code 401)
-    "overloaded": "overloaded_error",
-    "unavailable": "service_unavailable_error",
-    "internal": "internal_error",
-}
-
 http_app = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton service")
-
-
-def _http_error(exc: BaseException) -> JSONResponse:
-    kind, message = public_error(exc)
-    status = _HTTP_STATUS.get(kind, 500)
-    param = getattr(root_cause(exc), "param", None)  # an openai_api.RequestFieldError's field
-    body = error_body(message, _HTTP_ERROR_TYPE.get(kind, kind), param)
-    headers = {"WWW-Authenticate": "Bearer"} if kind == "unauthenticated" else None
-    return JSONResponse(body, status, headers=headers)
-
-
-async def _sse(
-    builder: ResponseBuilder,
-    first: tuple[int, RequestOutput],
-    rest: AsyncIterator[tuple[int, RequestOutput]],
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    """The SSE events of a request's choices, from (choice index, output) pairs."""
-    lasts = {first[0]: first[1]}
-    yield builder.chunk(first[1], first[0])
-    try:
-        async for index, out in rest:
-            lasts[index] = out
-            yield builder.chunk(out, index)
-    except Exception as e:  # mid-stream: the status line is sent, so an error event
-        kind, message = public_error(e)
-        body = error_body(message, _HTTP_ERROR_TYPE.get(kind, kind))
-        yield f"data: {json.dumps(body)}\n\n"
-        yield DONE_EVENT  # the stream ends as every stream does (vLLM does too)
-        return
-    if include_usage:
-        yield builder.usage_chunk([lasts[i] for i in sorted(lasts)])
-    yield DONE_EVENT
 
 
 def _set_status(grpc_context: RayServegRPCContext, exc: BaseException) -> None:
@@ -180,10 +132,16 @@ class Router:
         ]
 
     async def _outputs(
-        self, request: EngineRequest, text: TextStream, api: str, started: float
+        self,
+        request: EngineRequest,
+        text: TextStream,
+        api: str,
+        started: float,
+        first_choice: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """The pool's outputs for a checked request, with their text, timed and counted
-        for the metrics."""
+        for the metrics. A client request with n choices is n engine requests: only its
+        first choice counts the request, its time to first token and its prompt."""
         last: RequestOutput | None = None
         last_at = started
         status = "internal"
@@ -193,7 +151,8 @@ class Router:
                 out = text.add(out)
                 now = time.perf_counter()
                 if last is None:
-                    self.metrics.first_token(api, now - started)
+                    if first_choice:
+                        self.metrics.first_token(api, now - started)
                 elif out.new_token_ids:
                     self.metrics.next_tokens(api, now - last_at, len(out.new_token_ids))
                 last, last_at = out, now
@@ -216,13 +175,12 @@ class Router:
             raise
         finally:
             finish = last.finish_reason.value if last and last.finish_reason else "none"
-            self.metrics.ended(
-                api,
-                status,
-                finish,
-                last.num_prompt_tokens if last else 0,
-                last.num_output_tokens if last else 0,
-            )
+            generated = last.num_output_tokens if last else 0
+            if first_choice:
+                prompt = last.num_prompt_tokens if last else 0
+                self.metrics.ended(api, status, finish, prompt, generated)
+            else:
+                self.metrics.generated(api, generated)
 
     def _refused(self, api: str, exc: BaseException) -> None:
         """Counts a request that failed before reaching a pool."""
@@ -331,7 +289,7 @@ class Router:
         try:
             self._authorize(raw.headers.get("authorization"))
         except Exception as e:
-            return _http_error(e)
+            return http_error(e)
         return {
             "object": "list",
             "data": [
@@ -375,7 +333,7 @@ class Router:
             )
         except Exception as e:
             self._refused("http", e)
-            return _http_error(e)
+            return http_error(e)
         builder = ResponseBuilder(
             chat,
             choices[0][0].request_id,
@@ -384,13 +342,16 @@ class Router:
             self.frontend.tokenizer.token_bytes,
         )
         outputs = merge_streams(
-            [self._outputs(request, text, "http", started) for request, text in choices]
+            [
+                self._outputs(request, text, "http", started, first_choice=i == 0)
+                for i, (request, text) in enumerate(choices)
+            ]
         )
         try:
             # The first output before answering: an engine's refusal is still a 4xx.
             first = await anext(outputs)
         except Exception as e:
-            return _http_error(e)
+            return http_error(e)
         if not req.stream:
             by_choice: list[list[RequestOutput]] = [[] for _ in choices]
             by_choice[first[0]].append(first[1])
@@ -398,10 +359,10 @@ class Router:
                 async for index, out in outputs:
                     by_choice[index].append(out)
             except Exception as e:
-                return _http_error(e)
+                return http_error(e)
             return builder.complete(by_choice)
         return StreamingResponse(
-            _sse(builder, first, outputs, req.include_usage()), media_type="text/event-stream"
+            sse_events(builder, first, outputs, req.include_usage()), media_type="text/event-stream"
         )
 
     def _token_text(self, token_id: int) -> str:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-from serve_app.openai_responses import ResponseBuilder
+import pytest
+
+from serve_app import openai_api
+from serve_app.api_keys import Unauthenticated
+from serve_app.openai_responses import DONE_EVENT, ResponseBuilder, http_error, sse_events
+from serve_app.stream_merge import merge_streams
+from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason
@@ -75,3 +82,37 @@ def test_each_chat_choice_opens_with_the_role_and_ends_with_its_finish_reason():
     assert bodies[2]["choices"][0]["finish_reason"] == "stop"
     assert bodies[3]["choices"] == [] and bodies[3]["usage"]["completion_tokens"] == 4
     assert {b["object"] for b in bodies} == {"chat.completion.chunk"}
+
+
+def test_an_error_mid_stream_is_an_openai_error_event_then_done():
+    async def rest():
+        yield RequestOutput("r", [8], "lo")
+        raise InvalidRequestError("stop_token_ids: 99999 is not a token id")
+
+    async def events():
+        builder = ResponseBuilder(False, "r", "m", str, bytes)
+        first = RequestOutput("r", [7], "Hel")
+        return [e async for e in sse_events(builder, (0, first), merge_streams([rest()]), True)]
+
+    sent = asyncio.run(events())
+    assert len(sent) == 4 and sent[-1] == DONE_EVENT
+    error = json.loads(sent[2].removeprefix("data: "))["error"]
+    assert error["type"] == "invalid_request_error" and "stop_token_ids" in error["message"]
+
+
+def test_an_http_error_names_the_field_at_fault_as_its_param():
+    with pytest.raises(InvalidRequestError) as refused:
+        body = {"model": "m", "prompt": "x", "max_tokens": 0}
+        openai_api.parse(openai_api.CompletionRequest, body)
+    response = http_error(refused.value)
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 400 and error["param"] == "max_tokens"
+    assert error["type"] == "invalid_request_error" and "max_tokens" in error["message"]
+
+
+def test_a_missing_key_is_a_401_that_asks_for_a_bearer_token():
+    response = http_error(Unauthenticated("missing API key"))
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert json.loads(response.body)["error"]["message"] == "missing API key"
+    assert "WWW-Authenticate" not in http_error(InvalidRequestError("x")).headers

@@ -6,6 +6,7 @@ file takes effect without a restart."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -14,7 +15,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
-from service_helpers import KV
+from service_helpers import KV, _scrape
 
 from serve_app import service_ops
 from serve_app.client import BatonClient, generate_request
@@ -120,3 +121,45 @@ def test_a_rewritten_key_file_rotates_the_keys_live(keyed):
     ):
         client.tokenize("Hello")
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_router_counts_client_requests_not_choices(keyed, ray_metrics_port):
+    """Run last: it counts every generation call this module made to its application
+    (metrics are cumulative and exported on an interval, so exact totals are the test)."""
+    client = openai.OpenAI(base_url=f"{keyed['http']}/v1", api_key="rotated-key")
+    three = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt="Hi",
+        max_tokens=4,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert three.usage.completion_tokens == 12
+    app = f'app="{APP}"'
+    expected = {
+        # The refusals: Generate and GenerateUnary, without a key and with a wrong one.
+        ("ray_baton_requests_total", 'api="grpc"', 'status="unauthenticated"'): 4,
+        ("ray_baton_requests_total", 'api="grpc"', 'status="ok"'): 2,
+        # The wrong key's completion and the bare POST.
+        ("ray_baton_requests_total", 'api="http"', 'status="unauthenticated"'): 2,
+        # The chat completion, and the n=3 completion once.
+        ("ray_baton_requests_total", 'api="http"', 'status="ok"'): 2,
+        # 2 chat tokens, then every choice's 4.
+        ("ray_baton_generation_tokens_total", 'api="http"', ""): 2 + 12,
+    }
+
+    def totals() -> dict:
+        samples = _scrape(ray_metrics_port)
+        return {
+            (name, api, status): sum(
+                v
+                for labels, v in samples.get(name, [])
+                if app in labels and api in labels and status in labels
+            )
+            for name, api, status in expected
+        }
+
+    deadline = time.monotonic() + 60  # Ray exports on an interval
+    while (found := totals()) != expected:
+        assert time.monotonic() < deadline, found
+        time.sleep(2)
