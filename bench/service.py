@@ -177,7 +177,11 @@ class Deployed:
 
     def __enter__(self) -> str:
         log(f"deploying {self.name}")
-        service_ops.deploy(self.config, app_name=self.name, route_prefix="/", **self.ports)
+        try:
+            service_ops.deploy(self.config, app_name=self.name, route_prefix="/", **self.ports)
+        except BaseException:
+            serve.delete(self.name)  # else it keeps route "/" and every later deploy fails
+            raise
         return self.name
 
     def __exit__(self, *exc) -> None:

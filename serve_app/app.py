@@ -111,6 +111,11 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
         name=ROUTER_NAME,
         num_replicas=config.router.num_replicas,
         max_ongoing_requests=config.router.max_ongoing_requests,
+        # A router being replaced (a drained node, a rescale) relays its streams to their
+        # end: as long as the longest a pool replica may take to finish them.
+        graceful_shutdown_timeout_s=max(
+            p.graceful_shutdown_timeout_s for p in config.pools().values()
+        ),
         ray_actor_options={
             "num_cpus": config.router.num_cpus,
             "resources": dict(config.router.resources),

@@ -5,7 +5,7 @@ baton generate "prompt" [--chat]                        stream a completion over
 baton scale prefill|decode|aggregated N                 resize one pool, live
 baton status [--json]                                   pools, replicas, KV, hit rate
 baton stop                                              remove the service (and the Ray it started)
-baton drain [--deadline-s S]                            move this node's replicas away
+baton drain --deadline-s S                              move this node's replicas away
 baton generate --local "prompt"                         no service: an in-process engine
 """
 
@@ -350,13 +350,13 @@ def _stop(args: argparse.Namespace) -> int:
     stopped = service_ops.stop()
     if not stopped.app_deleted:
         log.info("no Baton application was deployed")
-    if stopped.app_deleted and not stopped.serve_shut_down:
-        log.info("Serve keeps running: other applications are deployed on it")
-    if stopped.local_head:
+    if stopped.apps_left:
+        log.info("Serve and Ray keep running: %s still deployed", ", ".join(stopped.apps_left))
+    elif not stopped.local_head:
+        log.info("Ray keeps running: `baton serve` did not start this cluster here")
+    else:
         service_ops.stop_local_head()
         log.info("stopped the local Ray head `baton serve` started")
-    else:
-        log.info("Ray keeps running: `baton serve` did not start this cluster here")
     return 0
 
 
@@ -368,9 +368,9 @@ def _drain(args: argparse.Namespace) -> int:
         log.info("node %s drained in %.1fs", result.node_id, result.waited_s)
         return 0
     log.warning(
-        "node %s still runs %d Serve replicas after %.1fs",
+        "node %s still runs (%d Serve replica or proxy processes) after %.1fs",
         result.node_id,
-        result.replicas_left,
+        result.serving_left,
         result.waited_s,
     )
     return 1

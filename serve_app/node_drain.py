@@ -7,14 +7,17 @@ terminationGracePeriodSeconds have passed. A bare `ray stop` there ends every st
 pod's replica is serving. Draining the Ray node first, the GCS call Ray's autoscaler
 makes before it removes a node, lets Serve migrate the node's replicas: it starts a
 replacement elsewhere, routes new requests to it, and stops the old replica gracefully
-(each pool's `graceful_shutdown_timeout_s`), so streams in flight finish. `drain` asks
-for that and then waits until no Serve replica process is left under the node's raylet,
-or the deadline passes; the hook stops Ray after it either way.
+(each pool's `graceful_shutdown_timeout_s`), so streams in flight finish. Serve's proxy
+on the node drains too, once the streams it carries end. `drain` asks for that and then
+waits until no Serve replica or proxy process is left on the node (or its raylet has
+exited), or until the deadline; the hook stops Ray after it either way. (The raylet's
+own exit is no signal to wait for: a drained node with nothing left to serve may stay
+up until it is killed.)
 
-Which processes belong to which node is read from /proc: Ray's raylet carries its node
-id on its command line, and Ray's workers are its children, titled `ray::ServeReplica:...`
-when they host a replica. That needs no dashboard and no connection to the cluster, and
-on a pod (one raylet) it needs no node id either.
+The node's raylet is found in /proc: it carries its node id on its command line, and
+Ray's workers are its children (titled `ray::ServeReplica:...` when they host a replica,
+`ray::ProxyActor` for the proxy). That needs no dashboard and no connection to the
+cluster, and on a pod (one raylet) no node id either.
 """
 
 from __future__ import annotations
@@ -26,19 +29,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-REPLICA_TITLE = "ray::ServeReplica:"
+SERVING_TITLES = ("ray::ServeReplica:", "ray::ProxyActor")
+# `ray drain-node` only starts a CLI and makes one GCS call; an unreachable GCS (the head
+# already gone) would hold the hook for about 40 s.
+_DRAIN_CALL_TIMEOUT_S = 15.0
 _PROC = Path("/proc")
 
 
 @dataclass(frozen=True)
 class DrainResult:
     node_id: str
-    replicas_left: int  # Serve replica processes still on the node when `drain` returned
+    serving_left: int  # Serve replica and proxy processes left when `drain` returned
     waited_s: float
 
     @property
     def drained(self) -> bool:
-        return self.replicas_left == 0
+        return self.serving_left == 0
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -74,13 +80,22 @@ def raylets() -> dict[str, int]:
     return found
 
 
-def replica_processes(raylet_pid: int) -> list[int]:
-    """The Serve replica processes a raylet started (Ray's workers are its children)."""
+def serving_processes(raylet_pid: int) -> list[int]:
+    """The Serve replica and proxy processes a raylet started (Ray's workers are its
+    children)."""
     return [
         pid
         for pid in _pids()
-        if _parent(pid) == raylet_pid and " ".join(_cmdline(pid)).startswith(REPLICA_TITLE)
+        if _parent(pid) == raylet_pid and " ".join(_cmdline(pid)).startswith(SERVING_TITLES)
     ]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent has not reaped it
 
 
 def local_node_id() -> str:
@@ -116,7 +131,14 @@ def request_drain(node_id: str, deadline_s: int, address: str | None = None) -> 
     ]
     if address:
         command.append(f"--address={address}")
-    done = subprocess.run(command, capture_output=True, text=True)
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=_DRAIN_CALL_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise ConnectionError(
+            f"Ray did not answer the drain of node {node_id} within {_DRAIN_CALL_TIMEOUT_S:g}s"
+        ) from None
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip().splitlines()
         raise ConnectionError(
@@ -133,8 +155,9 @@ def drain(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> DrainResult:
-    """Drains the node (default: this machine's only one) and waits up to `deadline_s`
-    for Serve to move its replicas away."""
+    """Drains the node (default: this machine's only one) and waits, until `deadline_s`
+    after the call, for Serve to move its replicas away and retire its proxy.
+    ConnectionError (and no wait) when Ray refuses or does not answer the drain."""
     if deadline_s < 1:
         raise ValueError(f"deadline_s must be >= 1 second, got {deadline_s}")
     node_id = node_id or local_node_id()
@@ -142,7 +165,15 @@ def drain(
     if raylet is None:
         raise ValueError(f"node {node_id} runs no raylet on this machine; see `ray status`")
     start = clock()
+    # The GCS dates its deadline from when the CLI has started, later than `start`: the
+    # wait ends at the same moment or after, never while Serve still counts on the time.
     request_drain(node_id, deadline_s, address)
-    while (left := len(replica_processes(raylet))) and clock() - start < deadline_s:
+    end = clock() + deadline_s
+    while (left := _serving_left(raylet)) and clock() < end:
         sleep(poll_s)
-    return DrainResult(node_id=node_id, replicas_left=left, waited_s=clock() - start)
+    return DrainResult(node_id=node_id, serving_left=left, waited_s=clock() - start)
+
+
+def _serving_left(raylet_pid: int) -> int:
+    # A raylet that exited took its workers with it (they would be orphans, not children).
+    return len(serving_processes(raylet_pid)) if _alive(raylet_pid) else 0

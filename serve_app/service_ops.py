@@ -205,6 +205,7 @@ class Stopped:
     this machine (then `stop_local_head` goes on to stop Ray)."""
 
     app_deleted: bool
+    apps_left: tuple[str, ...]  # other applications, which keep Serve (and Ray) running
     serve_shut_down: bool
     local_head: bool
 
@@ -224,6 +225,7 @@ def stop(app_name: str = APP_NAME) -> Stopped:
     local = raylets()
     return Stopped(
         app_deleted=app_name in apps,
+        apps_left=tuple(sorted(others)),
         serve_shut_down=bool(apps) and not others,
         local_head=any(
             LOCAL_HEAD_RESOURCE in n["Resources"] and n["NodeID"] in local for n in heads

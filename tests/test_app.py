@@ -90,6 +90,12 @@ def test_each_pool_sets_how_long_its_replicas_may_drain(model_dir):
     app = build_app({"model": str(model_dir), **pools})
     drain = {d.name: d._deployment_config.graceful_shutdown_timeout_s for d in _deployments(app)}
     assert drain["PrefillServer"] == 45 and drain["DecodeServer"] == 120
+    # The router relays the streams of either, so it may take the longest of them.
+    assert drain["Router"] == 120
+    longer = build_app({"model": str(model_dir), "decode": {"graceful_shutdown_timeout_s": 300}})
+    assert {d.name: d._deployment_config.graceful_shutdown_timeout_s for d in _deployments(longer)}[
+        "Router"
+    ] == 300
 
 
 def _deployments(app) -> list:

@@ -69,6 +69,15 @@ def test_lint_strict_is_clean(values):
         ({"prefill": {"replicas": 0}}, ["prefill.replicas must be >= 1", "autoscaling"]),
         ({"sharedMemory": {"sizeLimit": "lots"}}, ["/sharedMemory/sizeLimit", "pattern"]),
         ({"decode": {"terminationGracePeriodSeconds": 5}}, ["terminationGracePeriodSeconds"]),
+        (
+            {"decode": {"terminationGracePeriodSeconds": 100}},
+            ["decode.terminationGracePeriodSeconds (100)", "gracefulShutdownTimeoutS (120)"],
+        ),
+        ({"volumes": [{"name": "dshm", "emptyDir": {}}]}, ["volumes", '"dshm"', "rename"]),
+        (
+            {"volumeMounts": [{"name": "shm", "mountPath": "/dev/shm/"}]},
+            ["/dev/shm is mounted by the chart", "sharedMemory.enabled=false"],
+        ),
         ({"volumeMounts": [{"name": "models"}]}, ["/volumeMounts/0", "mountPath"]),
         ({"apiKey": {"secretName": "keys", "secretKey": ""}}, ["/apiKey/secretKey"]),
         (

@@ -94,7 +94,9 @@ def test_a_stopping_worker_drains_its_replica_within_the_grace_period(chart, val
         assert pod["terminationGracePeriodSeconds"] == grace
         drain, stop = _pre_stop(pod).split("; ")
         assert stop == "ray stop"  # drained or not, Ray leaves before the SIGKILL
-        args = _build_parser().parse_args(shlex.split(drain)[1:])
+        *command, to_log, errors_too = shlex.split(drain)
+        assert (to_log, errors_too) == (">/proc/1/fd/1", "2>&1")  # into the pod's log
+        args = _build_parser().parse_args(command[1:])
         assert (args.command, args.node_id, args.address) == ("drain", None, None)
         assert args.deadline_s == grace - 10
 

@@ -49,6 +49,16 @@ Checks the schema cannot express (relations between values); fails the render wi
 message naming the value. Included once, from the RayService template.
 */}}
 {{- define "baton.validate" -}}
+{{- range .Values.volumes }}
+{{- if has .name (list "dshm" "api-keys") }}
+{{- fail (printf "volumes: the name %q is the chart's own (/dev/shm, API keys); rename the volume" .name) }}
+{{- end }}
+{{- end }}
+{{- range .Values.volumeMounts }}
+{{- if and $.Values.sharedMemory.enabled (eq (trimSuffix "/" .mountPath) "/dev/shm") }}
+{{- fail "volumeMounts: /dev/shm is mounted by the chart (sharedMemory); set sharedMemory.enabled=false to mount your own" }}
+{{- end }}
+{{- end }}
 {{- $heads := int .Values.model.numAttentionHeads }}
 {{- $kvHeads := int .Values.model.numKeyValueHeads }}
 {{- if ne (mod $heads $kvHeads) 0 }}
@@ -80,6 +90,10 @@ message naming the value. Included once, from the RayService template.
 {{- fail (printf "%s.replicas must be >= 1 (got %d), or enable %s.autoscaling to let it scale from zero" $role (int $pool.replicas) $role) }}
 {{- end }}
 {{- include "baton.validateFit" (dict "role" $role "pool" $pool "tp" $tp) }}
+{{- $grace := int (include "baton.gracePeriod" $pool) }}
+{{- if le (sub $grace 10) (int $pool.replica.gracefulShutdownTimeoutS) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%d) must exceed %s.replica.gracefulShutdownTimeoutS (%v) by more than 10 s: a stopping pod drains until 10 s before its end, and its replica needs the graceful-shutdown time within that" $role $grace $role $pool.replica.gracefulShutdownTimeoutS) }}
+{{- end }}
 {{- if hasKey $seen $pool.rayResource }}
 {{- fail (printf "%s.rayResource (%s) is also %s.rayResource: each pool needs its own so replicas land on their own pods" $role $pool.rayResource (get $seen $pool.rayResource)) }}
 {{- end }}
@@ -303,11 +317,12 @@ for its streams, until 10 s before Kubernetes' SIGKILL; then Ray leaves the clus
 drained or not. Takes the pool; gives its grace period and its preStop command.
 */}}
 {{- define "baton.gracePeriod" -}}
-{{- default (add (int .replica.gracefulShutdownTimeoutS) 60) .terminationGracePeriodSeconds }}
+{{- default (add (int .replica.gracefulShutdownTimeoutS) 60) .terminationGracePeriodSeconds | int }}
 {{- end }}
 
+{{- /* Its output goes to the container's own log (a hook's is otherwise discarded). */}}
 {{- define "baton.workerPreStop" -}}
-{{- printf "baton drain --deadline-s %d; ray stop" (sub (int (include "baton.gracePeriod" .)) 10) }}
+{{- printf "baton drain --deadline-s %d >/proc/1/fd/1 2>&1; ray stop" (sub (int (include "baton.gracePeriod" .)) 10) }}
 {{- end }}
 
 {{/* Pod-level scheduling and metadata shared by head and workers. Takes dict(root, group, spec). */}}
