@@ -102,11 +102,12 @@ def local_node_id() -> str:
     """The node id of this machine's one raylet (a pod's); ValueError when there are
     none or several, naming the flag that picks one."""
     found = raylets()
-    if len(found) != 1:
-        where = ", ".join(found) or "none"
+    if not found:
+        raise ValueError("no Ray node runs on this machine: there is nothing to drain")
+    if len(found) > 1:
         raise ValueError(
-            f"--node-id is needed: this machine runs {len(found)} Ray nodes ({where}), "
-            "and without it `baton drain` takes the only one"
+            f"--node-id is needed: this machine runs {len(found)} Ray nodes "
+            f"({', '.join(found)}), and without it `baton drain` takes the only one"
         )
     return next(iter(found))
 
