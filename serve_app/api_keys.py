@@ -36,10 +36,17 @@ def _read_keys(path: Path) -> tuple[bytes, ...]:
     """The digests of the file's keys (one per line; blank lines and `#` comments skipped);
     ValueError naming the file when it cannot be read or holds none."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"api_key_file {str(path)!r} cannot be read: {e}") from None
     keys = [k for k in (line.strip() for line in lines) if k and not k.startswith("#")]
+    for number, key in enumerate(keys, 1):
+        # HTTP headers carry ASCII: any other key could never be presented.
+        if not (key.isascii() and key.isprintable()) or " " in key:
+            raise ValueError(
+                f"api_key_file {str(path)!r}: key {number} holds characters other than "
+                "printable ASCII without spaces; a client could never send it"
+            )
     if not keys:
         raise ValueError(
             f"api_key_file {str(path)!r} holds no key: write one key per line (Helm: the "
@@ -57,12 +64,12 @@ class ApiKeys:
         self._version = self._stat()
         self._digests = _read_keys(self.path)
 
-    def _stat(self) -> tuple[int, int, int] | None:
+    def _stat(self) -> tuple[int, int, int, int] | None:
         try:
             st = self.path.stat()  # follows the symlinks Kubernetes swaps on an update
         except OSError:
             return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
     def _refresh(self) -> None:
         version = self._stat()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.status_board import DEFAULT_BOARD_NAME
 from workers.engine.config import EngineConfig
@@ -114,7 +114,17 @@ class AppConfig(_Frozen):
     status_board_name: str = Field(DEFAULT_BOARD_NAME, min_length=1)
     # A file on the router's machine holding the service's API keys, one per line, read
     # again when it changes (see api_keys.py). None: no key is asked for.
-    api_key_file: str | None = Field(None, min_length=1)
+    api_key_file: str | None = None
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _absolute_key_file(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).is_absolute():
+            raise ValueError(
+                f"api_key_file must be an absolute path on the router's machine (the router "
+                f"does not run in this directory), got {path!r}"
+            )
+        return path
 
     def model_dir(self) -> Path:
         """The model's local folder (the bundled default is unpacked on first use)."""

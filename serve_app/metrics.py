@@ -12,10 +12,15 @@ series is absent, which Prometheus reads as zero.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from serve_app.errors import public_error
 from serve_app.gpu_telemetry import GpuReport
-from workers.engine.outputs import EngineStats
+from workers.engine.outputs import EngineStats, RequestOutput
 
 _LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 _ITL_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0]
@@ -56,23 +61,43 @@ class RouterMetrics:
             self.itl.observe(seconds / num_tokens, tags)
 
     def ended(
-        self,
-        api: str,
-        status: str,
-        finish_reason: str = "none",
-        prompt_tokens: int = 0,
-        generated_tokens: int = 0,
+        self, api: str, status: str, finish_reason: str = "none", prompt_tokens: int = 0
     ) -> None:
         tags = {**self._tags, "api": api}
         self.requests.inc(1, {**tags, "finish_reason": finish_reason, "status": status})
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens, tags)
-        self.generated(api, generated_tokens)
 
     def generated(self, api: str, num_tokens: int) -> None:
-        """Tokens of a request's other choices (`ended` counts the first's)."""
+        """The tokens one choice of a request generated."""
         if num_tokens:
             self.generation_tokens.inc(num_tokens, {**self._tags, "api": api})
+
+    async def request(
+        self, api: str, started: float, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Passes a client request's (choice index, output) pairs through and counts the
+        request once, whatever its number of choices: time to first token at the first
+        token of any choice, the status that ended it as the client saw it (a failing
+        choice fails the request), choice 0's finish reason, and the prompt."""
+        status, lasts = "internal", {}
+        try:
+            async for index, out in outputs:
+                if not lasts:
+                    self.first_token(api, time.perf_counter() - started)
+                lasts[index] = out
+                yield index, out
+            status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        except Exception as e:
+            status = public_error(e)[0]
+            raise
+        finally:
+            last = lasts.get(0) or next(iter(lasts.values()), None)
+            finish = last.finish_reason.value if last and last.finish_reason else "none"
+            self.ended(api, status, finish, last.num_prompt_tokens if last else 0)
 
 
 class ReplicaMetrics:

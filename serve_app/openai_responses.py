@@ -32,8 +32,10 @@ HTTP_ERROR_TYPE = {
 }
 
 
-def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def usage(lasts: list[RequestOutput]) -> dict[str, Any]:
@@ -173,9 +175,10 @@ def http_error(exc: BaseException) -> JSONResponse:
     kind, message = public_error(exc)
     status = HTTP_STATUS.get(kind, 500)
     param = getattr(root_cause(exc), "param", None)  # an openai_api.RequestFieldError's field
-    body = error_body(message, HTTP_ERROR_TYPE.get(kind, kind), param)
-    headers = {"WWW-Authenticate": "Bearer"} if kind == "unauthenticated" else None
-    return JSONResponse(body, status, headers=headers)
+    if kind == "unauthenticated":  # as OpenAI answers a bad key
+        body = error_body(message, HTTP_ERROR_TYPE[kind], code="invalid_api_key")
+        return JSONResponse(body, status, headers={"WWW-Authenticate": "Bearer"})
+    return JSONResponse(error_body(message, HTTP_ERROR_TYPE.get(kind, kind), param), status)
 
 
 async def sse_events(

@@ -62,6 +62,14 @@ def _set_status(grpc_context: RayServegRPCContext, exc: BaseException) -> None:
     grpc_context.set_details(message)
 
 
+async def _only_choice(
+    outputs: AsyncIterator[RequestOutput],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """A one-choice request's outputs in the (choice index, output) form of merge_streams."""
+    async for out in outputs:
+        yield 0, out
+
+
 def _grpc_authorization(grpc_context: RayServegRPCContext) -> str | None:
     return authorization(grpc_context.invocation_metadata())
 
@@ -85,6 +93,8 @@ class Router:
         pool: DeploymentHandle,
     ):
         """`pool` streams outputs: the decode pool, or the aggregated one."""
+        # First: a router told to check keys it cannot read fails before any other work.
+        self.api_keys = None if config.api_key_file is None else ApiKeys(config.api_key_file)
         self.config = config
         model_dir = config.model_dir()
         self.model_id = model_identity(model_dir)
@@ -101,7 +111,6 @@ class Router:
         self.registry = get_or_create_registry(self.registry_config)
         self.pool = pool.options(stream=True)
         self.metrics = RouterMetrics(serve.get_replica_context().app_name)
-        self.api_keys = None if config.api_key_file is None else ApiKeys(config.api_key_file)
 
     def _authorize(self, header: str | None) -> None:
         """Unauthenticated unless the service is open or `header` carries one of its keys."""
@@ -132,28 +141,19 @@ class Router:
         ]
 
     async def _outputs(
-        self,
-        request: EngineRequest,
-        text: TextStream,
-        api: str,
-        started: float,
-        first_choice: bool = True,
+        self, request: EngineRequest, text: TextStream, api: str
     ) -> AsyncIterator[RequestOutput]:
-        """The pool's outputs for a checked request, with their text, timed and counted
-        for the metrics. A client request with n choices is n engine requests: only its
-        first choice counts the request, its time to first token and its prompt."""
+        """The pool's outputs for one choice of a checked request, with their text; its
+        inter-token gaps and tokens go to the metrics (the request itself is counted
+        around all its choices, by `RouterMetrics.request`)."""
         last: RequestOutput | None = None
-        last_at = started
-        status = "internal"
+        last_at = time.perf_counter()
         outputs = self.pool.generate.remote(request)
         try:
             async for out in outputs:
                 out = text.add(out)
                 now = time.perf_counter()
-                if last is None:
-                    if first_choice:
-                        self.metrics.first_token(api, now - started)
-                elif out.new_token_ids:
+                if last is not None and out.new_token_ids:
                     self.metrics.next_tokens(api, now - last_at, len(out.new_token_ids))
                 last, last_at = out, now
                 yield out
@@ -162,25 +162,14 @@ class Router:
                     # stop it now rather than when its stream is garbage-collected.
                     outputs.cancel()
                     break
-            status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
-            status = "cancelled"
             # Said outright, not left to Serve's parent-request bookkeeping: the pool
             # replica's generator is cancelled now, so its engine aborts the request and
             # frees its blocks at once.
             outputs.cancel()
             raise
-        except Exception as e:
-            status = public_error(e)[0]
-            raise
         finally:
-            finish = last.finish_reason.value if last and last.finish_reason else "none"
-            generated = last.num_output_tokens if last else 0
-            if first_choice:
-                prompt = last.num_prompt_tokens if last else 0
-                self.metrics.ended(api, status, finish, prompt, generated)
-            else:
-                self.metrics.generated(api, generated)
+            self.metrics.generated(api, last.num_output_tokens if last else 0)
 
     def _refused(self, api: str, exc: BaseException) -> None:
         """Counts a request that failed before reaching a pool."""
@@ -203,7 +192,8 @@ class Router:
         except Exception as e:
             self._refused("grpc", e)
             raise
-        async for out in self._outputs(engine_request, text, "grpc", started):
+        choice = _only_choice(self._outputs(engine_request, text, "grpc"))
+        async for _, out in self.metrics.request("grpc", started, choice):
             yield out
 
     async def Generate(
@@ -268,9 +258,16 @@ class Router:
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(
-        self, request: health_pb2.HealthCheckRequest
+        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         # Serving for as long as this replica lives; the stream ends when the client leaves.
+        # Unlike Check (a probe's), it holds one of the router's request slots for as long
+        # as it stays open, so a service with keys asks for one.
+        try:
+            self._authorize(_grpc_authorization(grpc_context))
+        except Exception as e:
+            _set_status(grpc_context, e)
+            raise
         status = self._health(request.service)
         yield health_pb2.HealthCheckResponse(
             status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
@@ -341,11 +338,10 @@ class Router:
             self._token_text,
             self.frontend.tokenizer.token_bytes,
         )
-        outputs = merge_streams(
-            [
-                self._outputs(request, text, "http", started, first_choice=i == 0)
-                for i, (request, text) in enumerate(choices)
-            ]
+        outputs = self.metrics.request(
+            "http",
+            started,
+            merge_streams([self._outputs(request, text, "http") for request, text in choices]),
         )
         try:
             # The first output before answering: an engine's refusal is still a 4xx.

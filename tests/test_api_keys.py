@@ -79,3 +79,44 @@ def test_the_grpc_authorization_entry_is_found_among_the_metadata():
     meta = [("application", "baton"), ("authorization", b"Bearer k")]
     assert authorization(meta) == "Bearer k"
     assert authorization([("application", "baton")]) is None
+
+
+def test_a_key_no_http_header_could_carry_is_refused_when_read(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("good-key\nclé-secrète\n")
+    with pytest.raises(ValueError, match="key 2 holds characters other than printable ASCII"):
+        ApiKeys(path)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_key(tmp_path):
+    path = tmp_path / "keys"
+    path.write_bytes("\ufefffirst-key\n".encode())
+    ApiKeys(path).check("Bearer first-key")
+
+
+def test_a_kubernetes_secret_update_swaps_a_symlink_and_is_seen(tmp_path):
+    # The kubelet writes a new ..<timestamp> folder and swaps the ..data link to it.
+    old, new = tmp_path / "..2026_11_01", tmp_path / "..2026_11_02"
+    for folder, key in ((old, "old-key"), (new, "new-key")):
+        folder.mkdir()
+        (folder / "keys").write_text(key + "\n")
+    (tmp_path / "..data").symlink_to(old.name)
+    (tmp_path / "keys").symlink_to("..data/keys")
+    keys = ApiKeys(tmp_path / "keys")
+    keys.check("Bearer old-key")
+    swap = tmp_path / "..data_tmp"
+    swap.symlink_to(new.name)
+    swap.replace(tmp_path / "..data")
+    keys.check("Bearer new-key")
+    with pytest.raises(Unauthenticated):
+        keys.check("Bearer old-key")
+
+
+def test_the_key_file_must_be_an_absolute_path():
+    from pydantic import ValidationError
+
+    from serve_app.config import AppConfig
+
+    assert AppConfig(api_key_file="/etc/baton/keys").api_key_file == "/etc/baton/keys"
+    with pytest.raises(ValidationError, match="api_key_file must be an absolute path"):
+        AppConfig(api_key_file="keys.txt")

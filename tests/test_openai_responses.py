@@ -114,5 +114,6 @@ def test_a_missing_key_is_a_401_that_asks_for_a_bearer_token():
     response = http_error(Unauthenticated("missing API key"))
     assert response.status_code == 401
     assert response.headers["WWW-Authenticate"] == "Bearer"
-    assert json.loads(response.body)["error"]["message"] == "missing API key"
+    error = json.loads(response.body)["error"]
+    assert (error["message"], error["code"]) == ("missing API key", "invalid_api_key")
     assert "WWW-Authenticate" not in http_error(InvalidRequestError("x")).headers

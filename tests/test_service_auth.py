@@ -79,6 +79,19 @@ def test_grpc_callers_with_either_key_are_served_and_health_needs_none(keyed):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_a_health_watch_holds_a_request_slot_so_it_needs_a_key(keyed):
+    request = health_pb2.HealthCheckRequest(service="baton.v1.Baton")
+    with grpc.insecure_channel(keyed["grpc"]) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch
+        with pytest.raises(grpc.RpcError) as caught:
+            next(watch(request, metadata=(("application", APP),), timeout=30))
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        meta = (("application", APP), ("authorization", f"Bearer {KEYS[1]}"))
+        stream = watch(request, metadata=meta, timeout=30)
+        assert next(stream).status == health_pb2.HealthCheckResponse.SERVING
+        stream.cancel()
+
+
 def test_openai_clients_need_a_key(keyed):
     wrong = openai.OpenAI(base_url=f"{keyed['http']}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="invalid API key"):
@@ -126,7 +139,8 @@ def test_a_rewritten_key_file_rotates_the_keys_live(keyed):
 def test_the_router_counts_client_requests_not_choices(keyed, ray_metrics_port):
     """Run last: it counts every generation call this module made to its application
     (metrics are cumulative and exported on an interval, so exact totals are the test)."""
-    client = openai.OpenAI(base_url=f"{keyed['http']}/v1", api_key="rotated-key")
+    keyed["file"].write_text("metrics-key\n")
+    client = openai.OpenAI(base_url=f"{keyed['http']}/v1", api_key="metrics-key")
     three = client.completions.create(
         model="SmolLM2-135M-Instruct",
         prompt="Hi",

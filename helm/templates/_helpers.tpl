@@ -55,7 +55,7 @@ message naming the value. Included once, from the RayService template.
 {{- end }}
 {{- end }}
 {{- range .Values.volumeMounts }}
-{{- if and $.Values.sharedMemory.enabled (eq (trimSuffix "/" .mountPath) "/dev/shm") }}
+{{- if and ($.Values.sharedMemory | default dict).enabled (eq (trimSuffix "/" .mountPath) "/dev/shm") }}
 {{- fail "volumeMounts: /dev/shm is mounted by the chart (sharedMemory); set sharedMemory.enabled=false to mount your own" }}
 {{- end }}
 {{- end }}
@@ -200,7 +200,7 @@ to equality, so a change to one must be made in the other.
 {{- if $v.model.maxModelLen }}
 {{- $_ := set $args "max_model_len" $v.model.maxModelLen }}
 {{- end }}
-{{- if $v.apiKey.secretName }}
+{{- if ($v.apiKey | default dict).secretName }}
 {{- $_ := set $args "api_key_file" (include "baton.apiKeyFile" .) }}
 {{- end }}
 {{- $deployments := list (dict "name" "Router" "num_replicas" $v.router.replicas) }}
@@ -266,11 +266,11 @@ resources, preStop): preStop is the shell command the container runs before it s
   env:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- $mounts := .root.Values.volumeMounts }}
-  {{- if .root.Values.sharedMemory.enabled }}
+  {{- $mounts := .root.Values.volumeMounts | default list }}
+  {{- if (.root.Values.sharedMemory | default dict).enabled }}
   {{- $mounts = prepend $mounts (dict "name" "dshm" "mountPath" "/dev/shm") }}
   {{- end }}
-  {{- if .root.Values.apiKey.secretName }}
+  {{- if (.root.Values.apiKey | default dict).secretName }}
   {{- $dir := dir (include "baton.apiKeyFile" .root) }}
   {{- $mounts = append $mounts (dict "name" "api-keys" "mountPath" $dir "readOnly" true) }}
   {{- end }}
@@ -293,14 +293,14 @@ changes and the router picks the new keys up. */}}
 
 {{/* The volumes of a Ray pod: values.volumes, and the memory-backed /dev/shm. */}}
 {{- define "baton.volumes" -}}
-{{- $volumes := .Values.volumes }}
+{{- $volumes := .Values.volumes | default list }}
 {{- with .Values.apiKey }}
 {{- if .secretName }}
-{{- $items := list (dict "key" .secretKey "path" (base (include "baton.apiKeyFile" $))) }}
+{{- $items := list (dict "key" (.secretKey | default "api-keys") "path" (base (include "baton.apiKeyFile" $))) }}
 {{- $volumes = append $volumes (dict "name" "api-keys" "secret" (dict "secretName" .secretName "items" $items)) }}
 {{- end }}
 {{- end }}
-{{- if .Values.sharedMemory.enabled }}
+{{- if (.Values.sharedMemory | default dict).enabled }}
 {{- $shm := dict "medium" "Memory" }}
 {{- with .Values.sharedMemory.sizeLimit }}{{ $_ := set $shm "sizeLimit" . }}{{ end }}
 {{- $volumes = prepend $volumes (dict "name" "dshm" "emptyDir" $shm) }}

@@ -1,0 +1,80 @@
+"""serve_app/metrics.py: how the router counts a client request around its choices (what
+reaches Ray's metrics endpoint is checked live in test_service.py and
+test_service_auth.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from serve_app.metrics import RouterMetrics
+from serve_app.stream_merge import merge_streams
+from workers.engine.errors import EngineOverloadedError
+from workers.engine.outputs import RequestOutput
+from workers.engine.sequence import FinishReason
+
+
+class CountedRequests(RouterMetrics):
+    """The router's metrics, with each request's count also kept here to read back."""
+
+    def __init__(self) -> None:
+        super().__init__("test")
+        self.requests_ended: list[tuple] = []
+        self.ttfts: list[float] = []
+
+    def ended(self, api, status, finish_reason="none", prompt_tokens=0):
+        self.requests_ended.append((api, status, finish_reason, prompt_tokens))
+        super().ended(api, status, finish_reason, prompt_tokens)
+
+    def first_token(self, api, seconds):
+        self.ttfts.append(seconds)
+        super().first_token(api, seconds)
+
+
+async def _choice(tokens: int, delay: float = 0.0, fail: Exception | None = None):
+    for i in range(tokens):
+        await asyncio.sleep(delay)
+        done = i == tokens - 1 and fail is None
+        finish = FinishReason.LENGTH if done else None
+        yield RequestOutput(
+            "r",
+            [i],
+            "x",
+            finished=done,
+            finish_reason=finish,
+            num_prompt_tokens=5,
+            num_output_tokens=i + 1,
+        )
+    if fail is not None:
+        raise fail
+
+
+def _run(metrics: CountedRequests, *choices) -> list:
+    async def consume():
+        counted = metrics.request("http", time.perf_counter(), merge_streams(list(choices)))
+        return [pair async for pair in counted]
+
+    return asyncio.run(consume())
+
+
+def test_a_request_with_three_choices_counts_once_with_its_prompt_once():
+    metrics = CountedRequests()
+    pairs = _run(metrics, _choice(3), _choice(3), _choice(3))
+    assert len(pairs) == 9
+    assert metrics.requests_ended == [("http", "ok", "length", 5)]
+    assert len(metrics.ttfts) == 1
+
+
+def test_a_failing_later_choice_fails_the_request_as_the_client_saw_it():
+    metrics = CountedRequests()
+    with pytest.raises(EngineOverloadedError):
+        _run(metrics, _choice(3, delay=0.01), _choice(1, fail=EngineOverloadedError("full")))
+    assert [(api, status) for api, status, *_ in metrics.requests_ended] == [("http", "overloaded")]
+
+
+def test_time_to_first_token_is_the_first_token_of_any_choice():
+    metrics = CountedRequests()
+    _run(metrics, _choice(1, delay=0.3), _choice(1, delay=0.0))
+    assert metrics.ttfts[0] < 0.2
