@@ -25,7 +25,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,13 +58,20 @@ def _pids() -> list[int]:
     return [int(p.name) for p in _PROC.iterdir() if p.name.isdigit()]
 
 
-def _parent(pid: int) -> int | None:
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (state, parent, ...); [] once the
+    process is gone."""
     try:
         stat = (_PROC / str(pid) / "stat").read_text()
     except OSError:
-        return None
+        return []
     # The command name in parentheses may itself hold spaces or parentheses.
-    return int(stat.rsplit(")", 1)[1].split()[1])
+    return stat.rsplit(")", 1)[1].split()
+
+
+def _parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def raylets() -> dict[str, int]:
@@ -91,11 +97,8 @@ def serving_processes(raylet_pid: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has exited; only its parent has not reaped it
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z"  # a zombie has exited, just not been reaped
 
 
 def local_node_id() -> str:
@@ -153,8 +156,6 @@ def drain(
     deadline_s: int,
     address: str | None = None,
     poll_s: float = 1.0,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> DrainResult:
     """Drains the node (default: this machine's only one) and waits, until `deadline_s`
     after the call, for Serve to move its replicas away and retire its proxy.
@@ -165,14 +166,14 @@ def drain(
     raylet = raylets().get(node_id)
     if raylet is None:
         raise ValueError(f"node {node_id} runs no raylet on this machine; see `ray status`")
-    start = clock()
+    start = time.monotonic()
     # The GCS dates its deadline from when the CLI has started, later than `start`: the
     # wait ends at the same moment or after, never while Serve still counts on the time.
     request_drain(node_id, deadline_s, address)
-    end = clock() + deadline_s
-    while (left := _serving_left(raylet)) and clock() < end:
-        sleep(poll_s)
-    return DrainResult(node_id=node_id, serving_left=left, waited_s=clock() - start)
+    end = time.monotonic() + deadline_s
+    while (left := _serving_left(raylet)) and time.monotonic() < end:
+        time.sleep(poll_s)
+    return DrainResult(node_id=node_id, serving_left=left, waited_s=time.monotonic() - start)
 
 
 def _serving_left(raylet_pid: int) -> int:

@@ -206,8 +206,11 @@ class Stopped:
 
     app_deleted: bool
     apps_left: tuple[str, ...]  # other applications, which keep Serve (and Ray) running
-    serve_shut_down: bool
     local_head: bool
+
+    @property
+    def serve_shut_down(self) -> bool:
+        return self.app_deleted and not self.apps_left
 
 
 def stop(app_name: str = APP_NAME) -> Stopped:
@@ -226,7 +229,6 @@ def stop(app_name: str = APP_NAME) -> Stopped:
     return Stopped(
         app_deleted=app_name in apps,
         apps_left=tuple(sorted(others)),
-        serve_shut_down=bool(apps) and not others,
         local_head=any(
             LOCAL_HEAD_RESOURCE in n["Resources"] and n["NodeID"] in local for n in heads
         ),

@@ -116,15 +116,17 @@ def test_stop_removes_only_its_application_from_a_cluster_it_did_not_start(
 
     # The session's Ray was started by pytest, not `baton serve`: it stays, and so does
     # the neighbouring application, until it is the last one.
-    assert service_ops.stop() == service_ops.Stopped(
-        app_deleted=True, apps_left=("neighbour",), serve_shut_down=False, local_head=False
+    stopped = service_ops.stop()
+    assert stopped == service_ops.Stopped(
+        app_deleted=True, apps_left=("neighbour",), local_head=False
     )
+    assert not stopped.serve_shut_down
     assert set(serve.status().applications) == {"neighbour"}
-    assert service_ops.stop("neighbour") == service_ops.Stopped(
-        app_deleted=True, apps_left=(), serve_shut_down=True, local_head=False
-    )
+    stopped = service_ops.stop("neighbour")
+    assert stopped == service_ops.Stopped(app_deleted=True, apps_left=(), local_head=False)
+    assert stopped.serve_shut_down
     assert not serve.status().applications
-    assert service_ops.stop() == service_ops.Stopped(
-        app_deleted=False, apps_left=(), serve_shut_down=False, local_head=False
-    )
+    stopped = service_ops.stop()
+    assert stopped == service_ops.Stopped(app_deleted=False, apps_left=(), local_head=False)
+    assert not stopped.serve_shut_down
     assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 16
