@@ -23,6 +23,13 @@ TRANSPORTS: tuple[str, ...] = Transport.__args__
 
 Mode = Literal["aggregated", "disaggregated"]
 
+# How engine outputs stream from a pool replica to the router: "grpc" (Serve's
+# inter-deployment gRPC, outputs passed by value: about a third less CPU per message on
+# the router than an actor call, see ARCHITECTURE.md "Serving overhead"; each replica
+# listens on a port of its own, so the router's node must reach the engine nodes on any
+# port) or "actor_call" (Ray actor calls through Ray's object layer, Serve's default).
+OutputChannel = Literal["grpc", "actor_call"]
+
 # "auto": float32 on CPU, bfloat16 on CUDA. bfloat16 on a CPU with AMX or AVX512-BF16
 # roughly doubles batched decode and prefill throughput (bench/engine.py --dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -103,6 +110,7 @@ class AppConfig(_Frozen):
     # of CPU, so a larger interval buys throughput at high concurrency for burstier
     # streams. 1 sends every token as it is made.
     stream_interval: int = Field(1, ge=1, le=64)
+    output_channel: OutputChannel = "grpc"
     # Pools: "aggregated" mode uses `aggregated`, "disaggregated" uses prefill and decode.
     aggregated: PoolConfig = PoolConfig()
     prefill: PoolConfig = PoolConfig()

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
@@ -173,6 +174,11 @@ class EngineServer:
                 result: PrefillResult = await response
             except asyncio.CancelledError:
                 response.cancel()  # the prefill replica aborts its request too
+                raise
+            except RequestCancelledError:
+                # Serve cancels this call along with its parent request (the client left,
+                # or its deadline passed), at times before this task sees its own cancel:
+                # the request is over, the prefill pool did not fail it.
                 raise
             except Exception as e:
                 if isinstance(root_cause(e), InvalidRequestError):

@@ -254,8 +254,14 @@ def service(ray_cluster, smollm2_dir, serve_ports):
         decode=PoolConfig(kv_cache_bytes=KV),
     )
     # Streams every 3 tokens after the first, so test_service.py's comparisons also cover
-    # merged messages through the router's text and stop strings.
-    agg = AppConfig(mode="aggregated", stream_interval=3, aggregated=PoolConfig(kv_cache_bytes=KV))
+    # merged messages through the router's text and stop strings; and over actor calls,
+    # so they cover both of the router's output channels ("disagg" streams over gRPC).
+    agg = AppConfig(
+        mode="aggregated",
+        stream_interval=3,
+        output_channel="actor_call",
+        aggregated=PoolConfig(kv_cache_bytes=KV),
+    )
     service_ops.deploy(disagg, app_name="disagg", route_prefix="/disagg", **serve_ports)
     service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **serve_ports)
     yield {

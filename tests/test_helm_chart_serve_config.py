@@ -122,6 +122,7 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "enable_prefix_caching": v["enablePrefixCaching"],
             "handoff_timeout_s": v["handoffTimeoutS"],
             "stream_interval": v["streamInterval"],
+            "output_channel": v["outputChannel"],
             "registry_name": v["registryName"],
             # The Secret's mount (test_helm_chart_pods.py); the keys stay out of the config.
             "api_key_file": "/etc/baton/api-keys/keys" if v["apiKey"]["secretName"] else None,

@@ -194,6 +194,9 @@ to equality, so a change to one must be made in the other.
       "num_cpus" $v.router.numCpus
       "resources" $v.router.rayResources
       "max_ongoing_requests" $v.router.maxOngoingRequests) }}
+{{- if $v.outputChannel }}
+{{- $_ := set $args "output_channel" $v.outputChannel }}
+{{- end }}
 {{- if $v.model.servedModelName }}
 {{- $_ := set $args "served_model_name" $v.model.servedModelName }}
 {{- end }}
