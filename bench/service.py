@@ -2,7 +2,8 @@
 
 Runs 8 and 32 concurrent streams of 128 new tokens each, round by round: the in-process
 `AsyncEngine`, then each service through Serve's gRPC proxy. Prints aggregate tokens/s,
-TTFT p50/p99 and inter-token latency p50/p99 per system and concurrency,
+TTFT p50/p99 and inter-token latency p50/p99 per system and concurrency, the CPU the
+router and Serve's proxy spend per streamed message (`*_cpu_ms_per_msg`),
 ratio.*.{agg,disagg}_over_engine, and, per KV transport, the handoff time of a
 512-token prompt next to its prefill time (ratio.handoff_over_prefill_512.<transport>).
 
@@ -11,6 +12,9 @@ machine only with what it brings: an idle replica is not free (Serve's health ch
 metrics and routing stats cost each one about 1.5% of a core here), and six idle
 applications beside the one measured took about 23% of this 2-core machine. The
 in-process engine runs while no application is deployed.
+
+"agg_actor_call" is "agg" with the router's pool calls as Ray actor calls rather than
+Serve's inter-deployment gRPC (AppConfig.output_channel), for comparison.
 
 The services run twice: streaming every token (stream_interval 1, the default: "agg",
 "disagg") and every `--stream-interval` tokens after the first ("agg_si<N>",
@@ -43,7 +47,7 @@ import ray
 from common import TOPICS, cpu_count, emit, git_commit, log, median, topic_prompt
 from ray import serve
 
-from serve_app import service_ops
+from serve_app import node_drain, service_ops
 from serve_app.config import TRANSPORTS, AppConfig, PoolConfig
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.grpc_api import baton_pb2_grpc as pb_grpc
@@ -96,8 +100,24 @@ async def engine_run(engine: AsyncEngine, prompts: list[list[int]]) -> dict[str,
     return run.figures()
 
 
+def serving_cpu_s() -> dict[str, float]:
+    """CPU seconds used so far by this node's Serve router replicas and proxy (from /proc:
+    the serving path's own cost, which a throughput figure on a shared, noisy VM hides)."""
+    raylet = node_drain.raylets()[ray.get_runtime_context().get_node_id()]
+    used = {"router": 0.0, "proxy": 0.0}
+    for pid in node_drain.serving_processes(raylet):
+        command = " ".join(node_drain._cmdline(pid))
+        kind = "proxy" if "ProxyActor" in command else "router" if ":Router" in command else None
+        fields = node_drain._stat(pid)
+        if kind and fields:  # utime + stime, in clock ticks
+            used[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
+
+
 async def service_run(address: str, app: str, prompts: list[list[int]]) -> dict[str, float]:
     run = Run()
+    messages = 0
+    cpu_before = serving_cpu_s()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.BatonStub(channel)
 
@@ -109,12 +129,18 @@ async def service_run(address: str, app: str, prompts: list[list[int]]) -> dict[
                 ignore_eos=True,
             )
             times = []
+            nonlocal messages
             async for msg in stub.Generate(request, metadata=(("application", app),)):
                 times.extend([time.perf_counter()] * len(msg.token_ids))
+                messages += 1
             run.streams.append(times)
 
         await asyncio.gather(*(one(p) for p in prompts))
-    return run.figures()
+    cpu_after = serving_cpu_s()
+    figures = run.figures()
+    for kind, seconds in cpu_after.items():
+        figures[f"{kind}_cpu_ms_per_msg"] = (seconds - cpu_before[kind]) * 1e3 / messages
+    return figures
 
 
 def _free_port() -> int:
@@ -166,6 +192,8 @@ def app_configs(args: argparse.Namespace) -> dict[str, AppConfig]:
                 prefill=PoolConfig(num_threads=args.prefill_threads, dtype=args.dtype),
                 decode=PoolConfig(num_threads=args.decode_threads, dtype=args.dtype),
             )
+    # The router's other output channel, for comparison (config.OutputChannel).
+    apps["agg_actor_call"] = apps["agg"].model_copy(update={"output_channel": "actor_call"})
     return apps
 
 
@@ -217,6 +245,7 @@ async def main_async(args: argparse.Namespace) -> None:
     disagg = f"disagg_{AppConfig().transport}"  # throughput over the default transport
     services = {"agg": "agg", "disagg": disagg, f"agg_si{si}": f"agg_si{si}"}
     services[f"disagg_si{si}"] = f"{disagg}_si{si}"
+    services["agg_actor_call"] = "agg_actor_call"
 
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
 
@@ -250,7 +279,7 @@ async def main_async(args: argparse.Namespace) -> None:
     for (system, c), runs in results.items():
         medians[system, c] = {k: median([f[k] for f in runs]) for k in runs[0]}
         for key, value in medians[system, c].items():
-            unit = "tok/s" if key == "tok_s" else "s"
+            unit = {"tok_s": "tok/s"}.get(key, "ms" if key.endswith("_ms_per_msg") else "s")
             emit(f"{system}.c{c}_{key}", value, unit, concurrency=c, **context)
     for c in batches:
         for system in services:

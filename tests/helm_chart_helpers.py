@@ -86,7 +86,8 @@ AUTOSCALING = {
     "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},
 }
 AGGREGATED = {"mode": "aggregated", "aggregated": {"replicas": 2}}
-# A model from a PersistentVolumeClaim, a bounded /dev/shm, a longer stop for decode.
+# A model from a PersistentVolumeClaim, a bounded /dev/shm, a longer stop for decode,
+# extra environment.
 MODEL_VOLUME = {
     "model": {"path": "/models/SmolLM2-135M-Instruct"},
     "volumes": [
@@ -96,6 +97,7 @@ MODEL_VOLUME = {
     "sharedMemory": {"enabled": True, "sizeLimit": "2Gi"},
     "decode": {"terminationGracePeriodSeconds": 600},
     "apiKey": {"secretName": "baton-api-keys", "secretKey": "keys"},
+    "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
 }
 VALUE_SETS = {
     "default": {},

@@ -1,7 +1,7 @@
-"""How the Helm chart's Ray pods start and stop: the volumes every Ray container mounts
-(values.volumes, a memory-backed /dev/shm for Ray's object store), the API keys they
-receive from a Secret, and the worker pods' stop, which drains the pod's Serve replica
-(`baton drain`) within the grace period."""
+"""How the Helm chart's Ray pods start and stop: the environment and volumes every Ray
+container gets (values.volumes, a memory-backed /dev/shm for Ray's object store), the API
+keys they receive from a Secret, and the worker pods' stop, which drains the pod's Serve
+replica (`baton drain`) within the grace period."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from helm_chart_helpers import (
 )
 
 from serve_app.cli import _build_parser
+from serve_app.service_ops import SERVE_ENV
 
 
 def _pods(rayservice: dict) -> dict[str, dict]:
@@ -48,6 +49,16 @@ def test_every_ray_pod_mounts_the_volumes_and_a_memory_backed_dev_shm(chart, val
         assert mounts == {m["mountPath"]: m["name"] for m in merged["volumeMounts"]}
         ours = ("dshm", "api-keys")  # the next tests look at the API keys' volume
         assert [v for n, v in volumes.items() if n not in ours] == merged["volumes"]
+
+
+@value_sets
+def test_every_ray_container_gets_serves_environment_then_the_values_env(chart, values):
+    # The proxies, on any serving pod, read it when Serve starts them (service_ops.SERVE_ENV).
+    merged = _merged(chart, values)
+    serve_env = [{"name": name, "value": value} for name, value in SERVE_ENV.items()]
+    for role, pod in _pods(_rayservice(_render(chart, values))).items():
+        (container,) = pod["containers"]
+        assert container["env"] == serve_env + merged["env"], role
 
 
 @value_sets

@@ -4,6 +4,7 @@ the service they deploy)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -11,7 +12,7 @@ from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 from service_helpers import KV
 
-from serve_app import service_ops
+from serve_app import node_drain, service_ops
 from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.serve_config import APP_NAME, GRPC_SERVICER_FUNCTIONS, serve_config
@@ -105,7 +106,7 @@ def test_a_serve_config_that_rescales_one_pool_keeps_its_running_replicas(
         serve.shutdown()
 
 
-def test_stop_removes_only_its_application_from_a_cluster_it_did_not_start(
+def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     ray_cluster, smollm2_dir, serve_ports
 ):
     config = AppConfig(
@@ -113,6 +114,16 @@ def test_stop_removes_only_its_application_from_a_cluster_it_did_not_start(
     )
     service_ops.deploy(config, **serve_ports)
     service_ops.deploy(config, app_name="neighbour", route_prefix="/neighbour", **serve_ports)
+    # The proxy Serve started runs with SERVE_ENV (it reaches the routers over gRPC).
+    raylet = node_drain.raylets()[ray.get_runtime_context().get_node_id()]
+    (proxy,) = [
+        pid
+        for pid in node_drain.serving_processes(raylet)
+        if "ProxyActor" in " ".join(node_drain._cmdline(pid))
+    ]
+    environ = Path(f"/proc/{proxy}/environ").read_bytes().split(b"\0")
+    for name, value in service_ops.SERVE_ENV.items():
+        assert f"{name}={value}".encode() in environ
 
     # The session's Ray was started by pytest, not `baton serve`: it stays, and so does
     # the neighbouring application, until it is the last one.

@@ -265,10 +265,15 @@ resources, preStop): preStop is the shell command the container runs before it s
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with .root.Values.env }}
+  {{- /* Serve's proxies reach the routers over Serve's inter-deployment gRPC, as
+  serve_app.service_ops.SERVE_ENV sets where `baton serve` starts Serve; values.env
+  comes after, so an entry there overrides it. */}}
   env:
+    - name: RAY_SERVE_PROXY_USE_GRPC
+      value: "1"
+    {{- with .root.Values.env }}
     {{- toYaml . | nindent 4 }}
-  {{- end }}
+    {{- end }}
   {{- $mounts := .root.Values.volumeMounts | default list }}
   {{- if (.root.Values.sharedMemory | default dict).enabled }}
   {{- $mounts = prepend $mounts (dict "name" "dshm" "mountPath" "/dev/shm") }}
