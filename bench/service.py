@@ -19,7 +19,7 @@ Serve's inter-deployment gRPC (AppConfig.output_channel), for comparison.
 The services run twice: streaming every token (stream_interval 1, the default: "agg",
 "disagg") and every `--stream-interval` tokens after the first ("agg_si<N>",
 "disagg_si<N>"), the setting that trades smooth streams for less CPU per token on the
-serving path (two Ray Serve streaming hops per message).
+serving path (two Ray Serve hops per message).
 
     .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 2] [--decode-threads 2]
         [--stream-interval 4] [--dtype float32]
