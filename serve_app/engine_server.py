@@ -98,7 +98,11 @@ class EngineServer:
             max_pulled_kv_bytes=pool.max_pulled_kv_bytes,
             on_kv_events=self._publish,
         )
-        self.prefill_pool = prefill_pool
+        # An actor call whatever Serve's default channel (RAY_SERVE_USE_GRPC_BY_DEFAULT):
+        # its result carries ObjectRefs to the exported KV, which must stay references.
+        self.prefill_pool = (
+            None if prefill_pool is None else prefill_pool.options(_by_reference=True)
+        )
         self.handoff = HandoffStats()
         self.engine_setup = {
             "dtype": engine_config.resolved_dtype_name(),

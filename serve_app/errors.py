@@ -3,7 +3,9 @@ code by each surface) and one clean line, never a traceback. Only an InvalidRequ
 is the client's fault; any other exception, a stray ValueError included, is internal.
 
 Errors raised in a replica reach the router wrapped by Ray (`RayTaskError`, whose text
-embeds the remote traceback); the original exception is unwrapped first.
+embeds the remote traceback) over an actor call, or as themselves over Serve's gRPC
+channel; the original exception is unwrapped first. A Serve request cancelled with its
+parent (`RequestCancelledError`, a `TaskCancelledError`) is a cancellation too.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from serve_app.api_keys import Unauthenticated
@@ -38,7 +40,7 @@ def public_error(exc: BaseException) -> tuple[str, str]:
         return "unavailable", f"no healthy replica could serve the request ({_line(cause)})"
     if isinstance(cause, InvalidRequestError):
         return "invalid", _line(cause)
-    if isinstance(cause, asyncio.CancelledError):
+    if isinstance(cause, (asyncio.CancelledError, TaskCancelledError)):
         return "cancelled", "the request was cancelled"
     logger.error("request failed", exc_info=cause)
     return "internal", f"internal error ({type(cause).__name__}); see the service logs"

@@ -110,8 +110,8 @@ class Router:
         self.registry_config = PrefixRegistryConfig(name=config.registry_name)
         self.registry = get_or_create_registry(self.registry_config)
         # `_by_reference` is Serve's switch between its two handle channels (see
-        # config.OutputChannel); the prefill call of a decode replica stays an actor call,
-        # as its result carries ObjectRefs to the exported KV.
+        # config.OutputChannel); a decode replica's prefill call is always an actor call
+        # (engine_server.py), as its result carries ObjectRefs to the exported KV.
         self.pool = pool.options(stream=True, _by_reference=config.output_channel == "actor_call")
         self.metrics = RouterMetrics(serve.get_replica_context().app_name)
 

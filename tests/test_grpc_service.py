@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 from ray.exceptions import RayTaskError
+from ray.serve.exceptions import RequestCancelledError
 
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.grpc_service import (
@@ -124,6 +125,8 @@ def _wrapped(exc: BaseException) -> RayTaskError:
         (EngineOverloadedError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (EngineDeadError("dead"), grpc.StatusCode.UNAVAILABLE),
         (asyncio.CancelledError(), grpc.StatusCode.CANCELLED),
+        # Serve's cancel of a call whose parent request was cancelled.
+        (RequestCancelledError("r1"), grpc.StatusCode.CANCELLED),
         (KeyError("bug"), grpc.StatusCode.INTERNAL),
     ],
 )

@@ -61,6 +61,13 @@ def test_every_ray_container_gets_serves_environment_then_the_values_env(chart, 
         assert container["env"] == serve_env + merged["env"], role
 
 
+def test_the_values_env_may_set_serves_proxy_channel_itself(chart):
+    own = [{"name": "RAY_SERVE_PROXY_USE_GRPC", "value": "0"}]
+    for role, pod in _pods(_rayservice(_render(chart, {"env": own}))).items():
+        (container,) = pod["containers"]
+        assert container["env"] == own, role
+
+
 @value_sets
 def test_the_api_keys_secret_is_mounted_where_the_router_reads_it(chart, values):
     merged = _merged(chart, values)

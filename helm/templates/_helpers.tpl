@@ -266,14 +266,18 @@ resources, preStop): preStop is the shell command the container runs before it s
     {{- toYaml . | nindent 4 }}
   {{- end }}
   {{- /* Serve's proxies reach the routers over Serve's inter-deployment gRPC, as
-  serve_app.service_ops.SERVE_ENV sets where `baton serve` starts Serve; values.env
-  comes after, so an entry there overrides it. */}}
+  serve_app.service_ops.SERVE_ENV sets where `baton serve` starts Serve, unless
+  values.env names the variable itself. */}}
+  {{- $env := .root.Values.env | default list }}
+  {{- $own := true }}
+  {{- range $env }}
+  {{- if eq .name "RAY_SERVE_PROXY_USE_GRPC" }}{{- $own = false }}{{- end }}
+  {{- end }}
+  {{- if $own }}
+  {{- $env = prepend $env (dict "name" "RAY_SERVE_PROXY_USE_GRPC" "value" "1") }}
+  {{- end }}
   env:
-    - name: RAY_SERVE_PROXY_USE_GRPC
-      value: "1"
-    {{- with .root.Values.env }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
+    {{- toYaml $env | nindent 4 }}
   {{- $mounts := .root.Values.volumeMounts | default list }}
   {{- if (.root.Values.sharedMemory | default dict).enabled }}
   {{- $mounts = prepend $mounts (dict "name" "dshm" "mountPath" "/dev/shm") }}
