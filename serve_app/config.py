@@ -106,9 +106,9 @@ class AppConfig(_Frozen):
     enable_prefix_caching: bool = True
     handoff_timeout_s: float = Field(30.0, gt=0)
     # New tokens a stream gathers before the next message leaves the engine replica (the
-    # first token always goes at once): each message costs two Ray Serve hops
-    # of CPU, so a larger interval buys throughput at high concurrency for burstier
-    # streams. 1 sends every token as it is made.
+    # first token always goes at once): each message costs two Ray Serve hops of CPU, so
+    # a larger interval buys throughput at high concurrency for burstier streams. 1 sends
+    # every token as it is made.
     stream_interval: int = Field(1, ge=1, le=64)
     output_channel: OutputChannel = "grpc"
     # Pools: "aggregated" mode uses `aggregated`, "disaggregated" uses prefill and decode.
