@@ -6,11 +6,14 @@ Waits on background state poll with a deadline instead of sleeping a guessed amo
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Callable
 
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -22,8 +25,14 @@ def _engine(model_dir, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), **{"num_kv_blocks": 256, **overrides}))
 
 
-async def _collect(engine: AsyncEngine, rid: str, prompt, params=GREEDY):
-    return [out async for out in engine.generate(rid, prompt, params)]
+async def _collect(engine: AsyncEngine, rid: str, prompt, params=GREEDY, read=None):
+    """Every output of one stream; `read(rid)` after each (see `hold_steps_until_read`)."""
+    outs = []
+    async for out in engine.generate(rid, prompt, params):
+        outs.append(out)
+        if read is not None:
+            read(rid)
+    return outs
 
 
 async def _until(predicate, what: str) -> None:
@@ -37,3 +46,35 @@ async def _until(predicate, what: str) -> None:
 def _all_blocks_free(engine: AsyncEngine) -> bool:
     s = engine.stats()
     return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
+
+
+def hold_steps_until_read(
+    engine: LLMEngine, held: Callable[[RequestOutput], bool]
+) -> Callable[[str], None]:
+    """Makes `engine` start each step only once the consumer has read every output of the
+    previous step that `held` selects; returns the consumer's `read(request_id)`.
+
+    A consumer slower than the engine thread gets its backlog merged into one output (by
+    design), so a test of how outputs are grouped holds the engine to its consumers' pace:
+    what it checks is then the grouping rule, not how busy the machine was.
+    """
+    cond = threading.Condition()
+    unread: set[str] = set()
+    step = engine.step
+
+    def held_step() -> list[RequestOutput]:
+        with cond:
+            if not cond.wait_for(lambda: not unread, TIMEOUT):
+                raise RuntimeError(f"outputs never read by {sorted(unread)}")
+        outputs = step()
+        with cond:
+            unread.update(o.request_id for o in outputs if held(o))
+        return outputs
+
+    def read(request_id: str) -> None:
+        with cond:
+            unread.discard(request_id)  # one read covers every earlier output (merged)
+            cond.notify()
+
+    engine.step = held_step
+    return read

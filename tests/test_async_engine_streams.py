@@ -9,7 +9,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from async_engine_helpers import GREEDY, LONG, TIMEOUT, _all_blocks_free, _collect, _engine, _until
+from async_engine_helpers import (
+    GREEDY,
+    LONG,
+    TIMEOUT,
+    _all_blocks_free,
+    _collect,
+    _engine,
+    _until,
+    hold_steps_until_read,
+)
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine
@@ -22,10 +31,15 @@ def test_concurrent_generate_matches_the_sync_engine(model_dir):
     expected = [s.output_token_ids for s in _engine(model_dir).generate(prompts, GREEDY)]
 
     async def main():
-        engine = AsyncEngine(_engine(model_dir))
+        sync = _engine(model_dir)
+        read = hold_steps_until_read(sync, lambda out: True)
+        engine = AsyncEngine(sync)
+
         try:
             streams = await asyncio.wait_for(
-                asyncio.gather(*(_collect(engine, f"r{i}", p) for i, p in enumerate(prompts))),
+                asyncio.gather(
+                    *(_collect(engine, f"r{i}", p, GREEDY, read) for i, p in enumerate(prompts))
+                ),
                 TIMEOUT,
             )
             await _until(lambda: _all_blocks_free(engine), "all blocks free")
@@ -89,11 +103,15 @@ def test_stream_interval_sends_the_first_token_alone_then_groups_of_at_least_n(m
     expected = [s.output_token_ids for s in _engine(model_dir).generate(prompts, params)]
 
     async def main():
-        engine = AsyncEngine(_engine(model_dir), stream_interval=5)
+        sync = _engine(model_dir)
+        # Only first tokens are held: past them the stream itself waits for more tokens.
+        read = hold_steps_until_read(sync, lambda out: out.num_output_tokens == 1)
+        engine = AsyncEngine(sync, stream_interval=5)
+
         try:
             streams = await asyncio.wait_for(
                 asyncio.gather(
-                    *(_collect(engine, f"r{i}", p, params) for i, p in enumerate(prompts))
+                    *(_collect(engine, f"r{i}", p, params, read) for i, p in enumerate(prompts))
                 ),
                 TIMEOUT,
             )
