@@ -4,6 +4,7 @@ a tiny random Llama, the Helm chart, and a private Ray with the Serve service on
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -245,9 +246,16 @@ def service(ray_cluster, smollm2_dir, serve_ports):
     from serve_app.config import AppConfig, PoolConfig
 
     # Serve retries a replica it cannot place for ever: a CPU an earlier test left
-    # reserved would turn the scaling test into a hang, so find it here.
-    total, free = ray.cluster_resources()["CPU"], ray.available_resources().get("CPU", 0.0)
-    assert free == total, f"earlier tests left {total - free:g} CPUs reserved: {_leftovers()}"
+    # reserved would turn the scaling test into a hang, so find it here (after a grace
+    # period: Ray returns a killed actor's CPUs asynchronously).
+    total = ray.cluster_resources()["CPU"]
+    deadline = time.monotonic() + 10.0
+    while (free := ray.available_resources().get("CPU", 0.0)) != total:
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"earlier tests left {total - free:g} CPUs reserved: {_leftovers()}"
+            )
+        time.sleep(0.2)
     disagg = AppConfig(
         mode="disaggregated",
         prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),

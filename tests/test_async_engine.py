@@ -12,7 +12,16 @@ import threading
 from contextlib import aclosing
 
 import pytest
-from async_engine_helpers import GREEDY, LONG, TIMEOUT, _all_blocks_free, _collect, _engine, _until
+from async_engine_helpers import (
+    GREEDY,
+    LONG,
+    TIMEOUT,
+    _all_blocks_free,
+    _collect,
+    _engine,
+    _until,
+    hold_steps_until_read,
+)
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine
@@ -96,7 +105,9 @@ def test_invalid_request_raises_before_any_output_and_the_engine_keeps_serving(m
     prompt = random_prompts(1)[0]
 
     async def main():
-        engine = AsyncEngine(_engine(model_dir))
+        sync = _engine(model_dir)
+        read = hold_steps_until_read(sync, lambda out: out.num_output_tokens == 1)
+        engine = AsyncEngine(sync)
         try:
             bad = [
                 ("bad-token", [5, 10_000], GREEDY, "prompt token ids"),
@@ -110,15 +121,17 @@ def test_invalid_request_raises_before_any_output_and_the_engine_keeps_serving(m
                     async for out in engine.generate(rid, p, params):
                         seen.append(out)
                 assert seen == []
-            # A duplicate of a live request is refused; the live one is untouched.
-            live = engine.generate("dup", prompt, GREEDY)
+            # A duplicate of a live request is refused; the live one is untouched. (LONG:
+            # the live one must outlast this task's turn however late the loop runs it.)
+            live = engine.generate("dup", prompt, LONG)
             first = await asyncio.wait_for(live.__anext__(), TIMEOUT)
+            read("dup")
             with pytest.raises(ValueError, match="already in use"):
                 await engine.generate("dup", prompt, GREEDY).__anext__()
             rest = await asyncio.wait_for(_drain(live), TIMEOUT)
             # Counted in tokens: outputs that pile up while this task waits come merged.
             assert first.num_output_tokens == 1 and len(first.new_token_ids) == 1
-            assert 1 + sum(len(o.new_token_ids) for o in rest) == GREEDY.max_tokens
+            assert 1 + sum(len(o.new_token_ids) for o in rest) == LONG.max_tokens
             assert rest[-1].finished
             assert engine.is_healthy()
             await _until(lambda: _all_blocks_free(engine), "all blocks free")

@@ -133,14 +133,19 @@ def test_stream_interval_a_consumer_cancelled_while_tokens_gather_frees_the_bloc
     prompt = random_prompts(1, seed=10)[0]
 
     async def main():
-        engine = AsyncEngine(_engine(model_dir), stream_interval=64)
+        sync = _engine(model_dir)
+        # Paused at 4 tokens until released, so the consumer is seen gathering however
+        # late this loop runs.
+        release = hold_steps_until_read(sync, lambda out: out.num_output_tokens == 4)
+        engine = AsyncEngine(sync, stream_interval=64)
         try:
             stream = engine.generate("gathering", prompt, LONG)
             await anext(stream)
             # The next output waits for 64 tokens; cancel the consumer while it gathers.
             waiting = asyncio.create_task(anext(stream))
-            await _until(lambda: engine.stats().num_generated_tokens > 3, "tokens gathering")
+            await _until(lambda: engine.stats().num_generated_tokens == 4, "tokens gathering")
             assert not waiting.done()
+            release("gathering")  # the engine steps on, and sees the abort
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting

@@ -43,14 +43,15 @@ def test_a_skip_of_blocks_decode_no_longer_holds_is_refused_and_retried(model_di
 
 
 def test_held_blocks_expire_after_the_timeout(model_dir):
-    prefill = _engine(model_dir, handoff_timeout_s=0.5)
+    # Long enough that a stalled machine cannot expire it before the first check.
+    prefill = _engine(model_dir, handoff_timeout_s=2.0)
     _prefill(prefill, "r", _tokens(40, seed=50))
     stats = prefill.stats()
     assert stats.handoffs_held == 1 and stats.num_free_blocks == stats.num_total_blocks - 3
     assert not prefill.has_unfinished()  # holding is not work
     prefill.step()
     assert prefill.stats().handoffs_held == 1
-    time.sleep(0.6)
+    time.sleep(2.1)
     prefill.step()
     assert prefill.stats().handoffs_expired == 1
     with pytest.raises(ValueError, match="holds no KV handoff"):

@@ -76,5 +76,5 @@ def test_a_failing_later_choice_fails_the_request_as_the_client_saw_it():
 
 def test_time_to_first_token_is_the_first_token_of_any_choice():
     metrics = CountedRequests()
-    _run(metrics, _choice(1, delay=0.3), _choice(1, delay=0.0))
-    assert metrics.ttfts[0] < 0.2
+    _run(metrics, _choice(1, delay=1.0), _choice(1, delay=0.0))
+    assert metrics.ttfts[0] < 0.5  # the fast choice's, with room for a stalled machine

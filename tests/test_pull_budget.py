@@ -93,7 +93,7 @@ def test_releases_from_another_thread_wake_waiters_on_their_own_loop():
         waiter = asyncio.ensure_future(budget.acquire(5))
         await asyncio.sleep(0.01)
         threading.Thread(target=budget.release, args=(10,)).start()
-        await asyncio.wait_for(waiter, 1)
+        await asyncio.wait_for(waiter, 10)
         assert budget.used == 5
 
     asyncio.run(main())

@@ -85,8 +85,11 @@ def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
         assert streamed[-1].finish_reason == pb.FINISH_REASON_STOP
         assert streamed[-1].usage.completion_tokens == len(seq.output_token_ids)
 
+    # The agg app streams with stream_interval 3: messages of at least 3 tokens between
+    # the first and the last. (Its first message holds more than the first token if the
+    # replica fell behind the engine; test_async_engine_streams checks that rule alone.)
     sizes = [len(m.token_ids) for m in agg.generate(_greedy(PROMPTS[1]))]
-    assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]), sizes
+    assert all(n >= 3 for n in sizes[1:-1]), sizes
     assert len(sizes) < len(expected[1].output_token_ids)
 
 

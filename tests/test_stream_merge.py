@@ -23,7 +23,7 @@ async def _ticks(name: str, n: int, delay: float, log: list[str]):
 def test_items_come_as_they_arrive_tagged_with_their_stream():
     async def run():
         log: list[str] = []
-        streams = [_ticks("a", 3, 0.03, log), _ticks("b", 2, 0.01, log)]
+        streams = [_ticks("a", 3, 0.2, log), _ticks("b", 2, 0.01, log)]
         return [x async for x in merge_streams(streams)], log
 
     got, log = asyncio.run(run())
