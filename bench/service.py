@@ -106,9 +106,9 @@ def serving_cpu_s() -> dict[str, float]:
     raylet = node_drain.raylets()[ray.get_runtime_context().get_node_id()]
     used = {"router": 0.0, "proxy": 0.0}
     for pid in node_drain.serving_processes(raylet):
-        command = " ".join(node_drain._cmdline(pid))
+        command = " ".join(node_drain.cmdline(pid))
         kind = "proxy" if "ProxyActor" in command else "router" if ":Router" in command else None
-        fields = node_drain._stat(pid)
+        fields = node_drain.stat_fields(pid)
         if kind and fields:  # utime + stime, in clock ticks
             used[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return used

@@ -46,7 +46,7 @@ class DrainResult:
         return self.serving_left == 0
 
 
-def _cmdline(pid: int) -> list[str]:
+def cmdline(pid: int) -> list[str]:
     try:
         raw = (_PROC / str(pid) / "cmdline").read_bytes()
     except OSError:  # gone meanwhile, or not ours to read
@@ -58,7 +58,7 @@ def _pids() -> list[int]:
     return [int(p.name) for p in _PROC.iterdir() if p.name.isdigit()]
 
 
-def _stat(pid: int) -> list[str]:
+def stat_fields(pid: int) -> list[str]:
     """/proc/<pid>/stat's fields after the command name (state, parent, ...); [] once the
     process is gone."""
     try:
@@ -70,7 +70,7 @@ def _stat(pid: int) -> list[str]:
 
 
 def _parent(pid: int) -> int | None:
-    fields = _stat(pid)
+    fields = stat_fields(pid)
     return int(fields[1]) if fields else None
 
 
@@ -78,7 +78,7 @@ def raylets() -> dict[str, int]:
     """This machine's raylets: node id (hex) -> process id."""
     found = {}
     for pid in _pids():
-        argv = _cmdline(pid)
+        argv = cmdline(pid)
         if argv and argv[0].endswith("/raylet"):
             for arg in argv[1:]:
                 if arg.startswith("--node_id="):
@@ -92,12 +92,12 @@ def serving_processes(raylet_pid: int) -> list[int]:
     return [
         pid
         for pid in _pids()
-        if _parent(pid) == raylet_pid and " ".join(_cmdline(pid)).startswith(SERVING_TITLES)
+        if _parent(pid) == raylet_pid and " ".join(cmdline(pid)).startswith(SERVING_TITLES)
     ]
 
 
 def _alive(pid: int) -> bool:
-    fields = _stat(pid)
+    fields = stat_fields(pid)
     return bool(fields) and fields[0] != "Z"  # a zombie has exited, just not been reaped
 
 

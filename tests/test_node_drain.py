@@ -59,7 +59,7 @@ def _replica_node() -> str:
         by_raylet[pid]
         for pid in by_raylet
         for process in node_drain.serving_processes(pid)
-        if "EngineServer" in " ".join(node_drain._cmdline(process))
+        if "EngineServer" in " ".join(node_drain.cmdline(process))
     ]
     assert len(hosts) == 1, hosts
     return hosts[0]

@@ -119,7 +119,7 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     (proxy,) = [
         pid
         for pid in node_drain.serving_processes(raylet)
-        if "ProxyActor" in " ".join(node_drain._cmdline(pid))
+        if "ProxyActor" in " ".join(node_drain.cmdline(pid))
     ]
     environ = Path(f"/proc/{proxy}/environ").read_bytes().split(b"\0")
     for name, value in service_ops.SERVE_ENV.items():
