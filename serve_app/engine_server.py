@@ -3,7 +3,8 @@
 A replica owns an `AsyncEngine` (its TP ranks, if any, are Ray actors of their own) and
 plays one role:
 
-- "aggregated": `generate` runs the whole request here;
+- "aggregated": `generate` runs the whole request here (its outputs go to the router on
+  the call or on the router's subscription, `output_mux.py`);
 - "prefill": `prefill` computes the prompt, samples the first token and returns it with
   the KV blocks the caller lacks (the blocks are released here as they leave);
 - "decode": `generate` asks the prefill pool for the first token and the missing blocks,
@@ -33,8 +34,9 @@ from serve_app.config import AppConfig
 from serve_app.errors import root_cause
 from serve_app.gpu_telemetry import read_gpus
 from serve_app.metrics import ReplicaMetrics
+from serve_app.output_mux import OutputChannels
 from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
-from serve_app.protocol import EngineRequest, PrefillResult
+from serve_app.protocol import EngineRequest, PrefillResult, StreamStart, Subscription
 from serve_app.status_board import get_or_create_board
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import BlockHash
@@ -104,6 +106,7 @@ class EngineServer:
             None if prefill_pool is None else prefill_pool.options(_by_reference=True)
         )
         self.handoff = HandoffStats()
+        self.channels = OutputChannels(self.replica_id)
         self.engine_setup = {
             "dtype": engine_config.resolved_dtype_name(),
             "tensor_parallel_size": engine_config.tensor_parallel_size,
@@ -116,19 +119,29 @@ class EngineServer:
 
     # -- requests --------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs (aggregated and decode roles)."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamStart | RequestOutput]:
+        """A `StreamStart`, then the request's outputs unless they go to the router's
+        subscription (aggregated and decode roles; see output_mux.py)."""
         if self.role == "prefill":
             raise ValueError("a prefill replica runs prefill(), not generate()")
         if self.role == "decode":
-            async for out in self._decode(request):
-                yield out
-            return
-        stream = self.engine.generate(
-            request.request_id, list(request.prompt_token_ids), request.params, request.cache_salt
-        )
-        async for out in stream:
-            yield out
+            outputs = self._decode(request)
+        else:
+            outputs = self.engine.generate(
+                request.request_id,
+                list(request.prompt_token_ids),
+                request.params,
+                request.cache_salt,
+            )
+        async for item in self.channels.stream(request.router_id, outputs):
+            yield item
+
+    async def subscribe(self, sub: Subscription) -> AsyncIterator[str | list[RequestOutput]]:
+        """A router's output subscription to this replica (output_mux.py)."""
+        if self.role == "prefill":
+            raise ValueError("a prefill replica streams no outputs to routers")
+        async for item in self.channels.subscribe(sub):
+            yield item
 
     async def prefill(
         self, request: EngineRequest, skip_blocks: int, dst_tp: int | None = None
@@ -309,6 +322,7 @@ class EngineServer:
             **self.engine_setup,
             "engine": asdict(self.engine.stats()),
             "handoff": asdict(self.handoff),
+            "mux": self.channels.stats(),
             "gpus": self.gpus.to_dict(),
         }
 

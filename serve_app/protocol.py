@@ -2,7 +2,8 @@
 
 The router turns a client request into an `EngineRequest` (tokens, checked sampling
 parameters, block hashes and the registry's answer of who holds how much of the
-prefix); engine replicas stream `RequestOutput`s back. In disaggregated mode the
+prefix); engine replicas stream `RequestOutput`s back, on the call or, batched per
+step, on the router's `Subscription` (output_mux.py). In disaggregated mode the
 decode replica asks the prefill pool for a `PrefillResult`: the first token and the
 KV blocks decode lacks.
 """
@@ -33,6 +34,25 @@ class EngineRequest:
     # Serve replica id -> leading blocks of this prompt the prefix registry says it holds
     # (advisory: routing prefers long prefixes, engines confirm every block anyway).
     prefix_hits: Mapping[str, int] = field(default_factory=dict)
+    # The router's id for output multiplexing (output_mux.py); None: outputs on the call.
+    router_id: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """A generate call's first item: the replica that took it, and whether its outputs
+    follow on the call (False) or on the router's subscription to that replica (True)."""
+
+    replica_id: str
+    muxed: bool
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """A router's subscribe call, pinned by the request router to `replica_id`."""
+
+    router_id: str
+    replica_id: str
 
 
 @dataclass(frozen=True)

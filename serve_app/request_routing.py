@@ -15,6 +15,10 @@ The order, per request:
 4. then at random, so idle replicas (a freshly added one too) share the traffic.
 
 Serve tries the ranks in order and skips replicas at their max_ongoing_requests.
+
+A router's output subscription (`Subscription`, output_mux.py) goes to the replica it
+names; if that replica is gone, it is ranked like a request (the router sees where it
+landed and lets it go).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from serve_app.protocol import ROUTING_HINT_ATTR
+from serve_app.protocol import ROUTING_HINT_ATTR, Subscription
 
 DEFAULT_IMBALANCE_THRESHOLD = 8
 
@@ -66,9 +70,12 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         hits: dict[str, int] = {}
-        if pending_request is not None and pending_request.args:
-            hits = getattr(pending_request.args[0], ROUTING_HINT_ATTR, None) or {}
+        first = pending_request.args[0] if pending_request and pending_request.args else None
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if isinstance(first, Subscription) and first.replica_id in by_id:
+            return [[by_id[first.replica_id]]]
+        if first is not None:
+            hits = getattr(first, ROUTING_HINT_ATTR, None) or {}
         ranked = rank_candidates(
             [self._candidate(r, hits) for r in candidate_replicas],
             getattr(self, "imbalance_threshold", DEFAULT_IMBALANCE_THRESHOLD),

@@ -40,6 +40,7 @@ from serve_app.grpc_service import (
 )
 from serve_app.metrics import RouterMetrics
 from serve_app.openai_responses import ResponseBuilder, error_body, http_error, sse_events
+from serve_app.output_mux import OutputDemux
 from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
 from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
@@ -114,6 +115,12 @@ class Router:
         # (engine_server.py), as its result carries ObjectRefs to the exported KV.
         self.pool = pool.options(stream=True, _by_reference=config.output_channel == "actor_call")
         self.metrics = RouterMetrics(serve.get_replica_context().app_name)
+        self.demux = OutputDemux(self.pool.subscribe.remote)
+
+    async def __del__(self) -> None:
+        # Serve calls this on graceful shutdown: release the replicas' subscriptions now
+        # rather than after their idle time.
+        await self.demux.close()
 
     def _authorize(self, header: str | None) -> None:
         """Unauthenticated unless the service is open or `header` carries one of its keys."""
@@ -139,6 +146,7 @@ class Router:
                 self.registry = get_or_create_registry(self.registry_config)
                 hits = {}
             requests = [replace(r, prefix_hits=hits) for r in requests]
+        requests = [replace(r, router_id=self.demux.router_id) for r in requests]
         return [
             (r, self.frontend.text_stream(ids, p)) for r, p in zip(requests, choices, strict=True)
         ]
@@ -151,9 +159,12 @@ class Router:
         around all its choices, by `RouterMetrics.request`)."""
         last: RequestOutput | None = None
         last_at = time.perf_counter()
-        outputs = self.pool.generate.remote(request)
+        call = self.pool.generate.remote(request)
+        outputs = self.demux.outputs(request.request_id, call)
+        engine_done = False  # the engine's own last output arrived (not a stop string's)
         try:
             async for out in outputs:
+                engine_done = out.finished
                 out = text.add(out)
                 now = time.perf_counter()
                 if last is not None and out.new_token_ids:
@@ -161,17 +172,16 @@ class Router:
                 last, last_at = out, now
                 yield out
                 if text.stopped:
-                    # The output ended at a stop string while the engine still decodes:
-                    # stop it now rather than when its stream is garbage-collected.
-                    outputs.cancel()
+                    # The output ended at a stop string while the engine still decodes.
                     break
-        except (asyncio.CancelledError, GeneratorExit):
-            # Said outright, not left to Serve's parent-request bookkeeping: the pool
-            # replica's generator is cancelled now, so its engine aborts the request and
-            # frees its blocks at once.
-            outputs.cancel()
-            raise
         finally:
+            if not engine_done:
+                # Said outright (stop string, client gone, a failure here), not left to
+                # Serve's parent-request bookkeeping or garbage collection: the pool
+                # replica's generator is cancelled now, so its engine aborts the request
+                # and frees its blocks at once.
+                call.cancel()
+            await outputs.aclose()  # its finally clauses only drop what it registered
             self.metrics.generated(api, last.num_output_tokens if last else 0)
 
     def _refused(self, api: str, exc: BaseException) -> None:

@@ -213,6 +213,14 @@ def test_openai_client_completions_and_chat(service, agg):
 
 
 def test_sixteen_concurrent_streams_all_complete(disagg):
+    # One request first: the router then subscribes to the decode replica's outputs, and
+    # the sixteen share that subscription (output_mux.py).
+    disagg.generate_unary(_greedy("Warm up", max_tokens=2))
+    deadline = time.monotonic() + 10
+    while not _decode_stats()["mux"]["open_subscriptions"]:
+        assert time.monotonic() < deadline, "the router did not subscribe to decode's outputs"
+        time.sleep(0.05)
+    before = _decode_stats()["mux"]
     results: dict[int, list] = {}
 
     def run(i: int) -> None:
@@ -230,6 +238,10 @@ def test_sixteen_concurrent_streams_all_complete(disagg):
     for messages in results.values():
         assert messages[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
         assert sum(len(m.token_ids) for m in messages) == messages[-1].usage.completion_tokens
+    after = _decode_stats()["mux"]
+    assert after["num_muxed_requests"] - before["num_muxed_requests"] == 16
+    sent = {k: after[k] - before[k] for k in ("num_outputs", "num_batches")}
+    assert sent["num_outputs"] > sent["num_batches"]  # several streams' tokens per message
 
 
 def test_a_prefix_decode_holds_is_not_transferred_again(disagg):

@@ -1,0 +1,315 @@
+"""Outputs multiplexed per router (serve_app/output_mux.py): both halves wired in one
+event loop, with each "remote call" a task of its own, cancelled as Serve cancels one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.output_mux import OutputChannel, OutputChannels, OutputDemux, SubscriptionLost
+from serve_app.protocol import StreamStart, Subscription
+from workers.engine.outputs import RequestOutput
+
+
+class CallCancelled(Exception):
+    """What the caller of a cancelled call sees (Serve's RequestCancelledError)."""
+
+
+class Call:
+    """A streaming call: the replica's generator runs in a task (as in its own process);
+    the caller iterates what it yields and may cancel it."""
+
+    def __init__(self, agen):
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._run(agen))
+
+    async def _run(self, agen) -> None:
+        try:
+            async for item in agen:
+                self._items.put_nowait(("item", item))
+            self._items.put_nowait(("end", None))
+        except asyncio.CancelledError:
+            self._items.put_nowait(("error", CallCancelled()))
+            raise
+        except Exception as e:
+            self._items.put_nowait(("error", e))
+        finally:
+            await agen.aclose()
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        kind, value = await self._items.get()
+        if kind == "item":
+            return value
+        self._items.put_nowait((kind, value))
+        if kind == "end":
+            raise StopAsyncIteration
+        raise value
+
+
+class Engine:
+    """Requests whose outputs the test makes step by step, one per live request, all in
+    one callback (as AsyncEngine delivers a step)."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.closed: set[str] = set()
+
+    async def outputs(self, rid: str):
+        queue = self.queues[rid] = asyncio.Queue()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.closed.add(rid)
+
+    def step(self, token: int, finish: bool = False) -> None:
+        for rid, queue in self.queues.items():
+            if rid not in self.closed:
+                queue.put_nowait(_out(rid, [token], finished=finish))
+
+    async def wait_for(self, *rids: str) -> None:
+        while not all(r in self.queues for r in rids):
+            await asyncio.sleep(0)
+
+
+def _out(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput(rid, tokens, "", finished=finished, num_output_tokens=tokens[-1])
+
+
+class Service:
+    """One replica's channels and one router's demux, its subscribe calls pinned to it."""
+
+    def __init__(self, idle_s: float = 10.0) -> None:
+        self.engine = Engine()
+        self.channels = OutputChannels("replica-a", idle_s=idle_s)
+        self.subscriptions: list[Call] = []
+
+        def subscribe(sub: Subscription) -> Call:
+            call = Call(self.channels.subscribe(sub))
+            self.subscriptions.append(call)
+            return call
+
+        self.demux = OutputDemux(subscribe)
+
+    def request(self, rid: str):
+        call = Call(self.channels.stream(self.demux.router_id, self.engine.outputs(rid)))
+        return call, self.demux.outputs(rid, call)
+
+    async def subscribed(self) -> None:
+        while not self.channels.stats()["open_subscriptions"]:
+            await asyncio.sleep(0.001)
+
+
+async def _collect(outputs) -> list[RequestOutput]:
+    return [out async for out in outputs]
+
+
+def _tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_the_first_request_streams_on_its_call_and_later_ones_share_a_subscription():
+    async def main():
+        svc = Service()
+        _, first = svc.request("r0")
+        task = asyncio.ensure_future(_collect(first))
+        await svc.engine.wait_for("r0")
+        svc.engine.step(1, finish=True)
+        assert _tokens(await task) == [1]
+        await svc.subscribed()
+        assert svc.channels.stats()["num_muxed_requests"] == 0
+
+        rids = [f"r{i}" for i in range(1, 5)]
+        tasks = [asyncio.ensure_future(_collect(svc.request(r)[1])) for r in rids]
+        await svc.engine.wait_for(*rids)
+        for token in range(1, 4):
+            svc.engine.step(token)
+            await asyncio.sleep(0.01)  # the router reads each step before the next
+        svc.engine.step(4, finish=True)
+        for task in tasks:
+            outs = await task
+            assert _tokens(outs) == [1, 2, 3, 4] and outs[-1].finished
+        stats = svc.channels.stats()
+        assert stats["num_muxed_requests"] == 4
+        assert stats["num_batches"] == 4 and stats["num_outputs"] == 16  # a batch per step
+        await svc.demux.close()
+
+    asyncio.run(main())
+
+
+def test_a_channel_merges_what_piled_up_per_request_in_order():
+    async def main():
+        channel = OutputChannel()
+        channel.put(_out("a", [1]))
+        channel.put(_out("b", [7]))
+        channel.put(_out("a", [2]))
+        channel.put(_out("a", [3], finished=True))
+        batch = await channel.next_batch(idle_s=1.0)
+        assert [(o.request_id, o.new_token_ids, o.finished) for o in batch] == [
+            ("a", [1, 2, 3], True),
+            ("b", [7], False),
+        ]
+
+    asyncio.run(main())
+
+
+def test_a_subscription_ends_when_idle_but_not_while_a_muxed_request_is_live():
+    async def main():
+        svc = Service(idle_s=0.05)
+        _, first = svc.request("r0")
+        task = asyncio.ensure_future(_collect(first))
+        await svc.engine.wait_for("r0")
+        svc.engine.step(1, finish=True)
+        await task
+        await svc.subscribed()
+        _, live = svc.request("r1")
+        task = asyncio.ensure_future(_collect(live))
+        await svc.engine.wait_for("r1")
+        await asyncio.sleep(0.3)  # no output for six idle periods: the request holds it
+        assert svc.channels.stats()["open_subscriptions"] == 1
+        svc.engine.step(5, finish=True)
+        assert _tokens(await task) == [5]
+        await asyncio.sleep(0.3)
+        assert svc.channels.stats()["open_subscriptions"] == 0
+        # The next request streams on its call again, and subscribes anew.
+        _, again = svc.request("r2")
+        task = asyncio.ensure_future(_collect(again))
+        await svc.engine.wait_for("r2")
+        svc.engine.step(6, finish=True)
+        assert _tokens(await task) == [6]
+        await svc.subscribed()
+        assert svc.channels.stats()["num_subscriptions"] == 2
+
+    asyncio.run(main())
+
+
+async def _muxed_service() -> Service:
+    svc = Service()
+    _, first = svc.request("warm")
+    task = asyncio.ensure_future(_collect(first))
+    await svc.engine.wait_for("warm")
+    svc.engine.step(1, finish=True)
+    await task
+    await svc.subscribed()
+    return svc
+
+
+def test_a_muxed_requests_error_reaches_its_consumer():
+    async def main():
+        svc = await _muxed_service()
+        _, outputs = svc.request("bad")
+        await svc.engine.wait_for("bad")
+        svc.engine.queues["bad"].put_nowait(ValueError("temperature must be >= 0"))
+        with pytest.raises(ValueError, match="temperature"):
+            await _collect(outputs)
+        await asyncio.sleep(0.01)
+        assert svc.engine.closed >= {"bad"}
+        assert svc.channels.stats()["num_muxed_requests"] == 1
+
+    asyncio.run(main())
+
+
+def test_a_consumer_that_leaves_cancels_its_call_and_the_engine_stream_closes():
+    async def main():
+        svc = await _muxed_service()
+        call, outputs = svc.request("left")
+        await svc.engine.wait_for("left")
+        svc.engine.step(1)
+        assert (await anext(outputs)).new_token_ids == [1]
+        call.cancel()  # what the router does when its client leaves
+        await outputs.aclose()
+        await asyncio.sleep(0.01)
+        assert "left" in svc.engine.closed
+        assert svc.demux._queues == {}
+        # The subscription carries on for the other requests.
+        _, other = svc.request("next")
+        task = asyncio.ensure_future(_collect(other))
+        await svc.engine.wait_for("next")
+        svc.engine.step(2, finish=True)
+        assert _tokens(await task) == [2]
+
+    asyncio.run(main())
+
+
+def test_a_lost_subscription_fails_the_requests_it_carried_on_both_sides():
+    async def main():
+        svc = await _muxed_service()
+        call, outputs = svc.request("carried")
+        await svc.engine.wait_for("carried")
+        svc.engine.step(1)
+        assert (await anext(outputs)).new_token_ids == [1]
+        svc.subscriptions[-1].cancel()  # the subscription call fails
+        with pytest.raises(SubscriptionLost):
+            await anext(outputs)
+        call.cancel()
+        await asyncio.sleep(0.01)
+        assert "carried" in svc.engine.closed
+        assert svc.channels.stats()["open_subscriptions"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_second_subscription_of_one_router_to_one_replica_just_ends():
+    async def main():
+        channels = OutputChannels("replica-a")
+        sub = Subscription("router-1", "replica-a")
+        first = channels.subscribe(sub)
+        assert await anext(first) == "replica-a"
+        pending = asyncio.ensure_future(anext(first))
+        await asyncio.sleep(0)
+        second = channels.subscribe(sub)
+        assert [item async for item in second] == ["replica-a"]
+        assert channels.stats()["open_subscriptions"] == 1
+        pending.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_subscription_that_lands_on_another_replica_is_cancelled():
+    async def main():
+        svc = Service()
+        elsewhere = OutputChannels("replica-b")
+        calls: list[Call] = []
+
+        def subscribe(sub: Subscription) -> Call:
+            calls.append(Call(elsewhere.subscribe(sub)))  # its target was gone
+            return calls[-1]
+
+        svc.demux._subscribe = subscribe
+        _, outputs = svc.request("r0")
+        task = asyncio.ensure_future(_collect(outputs))
+        await svc.engine.wait_for("r0")
+        svc.engine.step(1, finish=True)
+        await task
+        await asyncio.sleep(0.01)
+        assert len(calls) == 1 and calls[0]._task.done()
+        assert elsewhere.stats()["open_subscriptions"] == 0
+        assert svc.demux._subscriptions == {}
+
+    asyncio.run(main())
+
+
+def test_stream_start_says_where_and_how():
+    async def main():
+        channels = OutputChannels("replica-a")
+
+        async def one():
+            yield _out("x", [3], finished=True)
+
+        items = [item async for item in channels.stream(None, one())]
+        assert items[0] == StreamStart("replica-a", muxed=False)
+        assert _tokens(items[1:]) == [3]
+
+    asyncio.run(main())
