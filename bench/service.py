@@ -19,7 +19,8 @@ Serve's inter-deployment gRPC (AppConfig.output_channel), for comparison.
 The services run twice: streaming every token (stream_interval 1, the default: "agg",
 "disagg") and every `--stream-interval` tokens after the first ("agg_si<N>",
 "disagg_si<N>"), the setting that trades smooth streams for less CPU per token on the
-serving path (two Ray Serve hops per message).
+serving path (the router -> proxy hop, one Serve stream item per message; the engine ->
+router hop carries one message per engine step whatever the setting).
 
     .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 2] [--decode-threads 2]
         [--stream-interval 4] [--dtype float32]

@@ -70,6 +70,8 @@ class HandoffStats:
     num_stale_retries: int = 0
     # Prompt tokens this replica computed itself because the prefill pool failed it.
     num_recomputed_tokens: int = 0
+    # Why the last such handoff failed ("" if none did): for `baton status` and tests.
+    last_failure: str = ""
 
 
 class EngineServer:
@@ -260,6 +262,7 @@ class EngineServer:
             len(prompt),
         )
         self.handoff.num_recomputed_tokens += len(prompt)
+        self.handoff.last_failure = f"{type(root_cause(error)).__name__}: {root_cause(error)}"
         self.metrics.recompute(len(prompt))
         stream = self.engine.generate(
             request.request_id, prompt, request.params, request.cache_salt

@@ -17,6 +17,7 @@ from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from serve_app.api_keys import Unauthenticated
+from serve_app.output_mux import SubscriptionLost
 from workers.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,9 @@ def public_error(exc: BaseException) -> tuple[str, str]:
         return "unauthenticated", _line(cause)
     if isinstance(cause, (EngineOverloadedError, BackPressureError)):
         return "overloaded", f"the service is at capacity; retry later ({_line(cause)})"
-    if isinstance(cause, (EngineDeadError, RayActorError, DeploymentUnavailableError)):
+    if isinstance(
+        cause, (EngineDeadError, RayActorError, DeploymentUnavailableError, SubscriptionLost)
+    ):
         return "unavailable", f"no healthy replica could serve the request ({_line(cause)})"
     if isinstance(cause, InvalidRequestError):
         return "invalid", _line(cause)

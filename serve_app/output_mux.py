@@ -160,6 +160,16 @@ class OutputDemux:
         self._subscriptions: dict[str, asyncio.Task] = {}
         self._queues: dict[str, tuple[str, asyncio.Queue]] = {}  # request id -> replica, queue
 
+    @property
+    def num_requests(self) -> int:
+        """Requests whose outputs this demux is waiting for."""
+        return len(self._queues)
+
+    @property
+    def subscribed(self) -> set[str]:
+        """The replicas this router has (or is opening) a subscription to."""
+        return set(self._subscriptions)
+
     async def outputs(
         self, request_id: str, call: AsyncIterator[StreamStart | RequestOutput]
     ) -> AsyncIterator[RequestOutput]:
@@ -181,18 +191,19 @@ class OutputDemux:
                 raise SubscriptionLost(f"no subscription to replica {start.replica_id}")
             self._queues[request_id] = (start.replica_id, queue)
             watcher = asyncio.ensure_future(_watch_end(call, queue))
+            finished = False
             try:
-                while True:
+                while not finished:
                     item = await queue.get()
                     if isinstance(item, BaseException):
                         raise item
                     if item is _GENERATE_ENDED:
                         continue  # the last output is still on its way (subscription)
+                    finished = item.finished
                     yield item
-                    if item.finished:
-                        return
             finally:
-                watcher.cancel()
+                if not finished:  # else the call ends by itself, right after its output
+                    watcher.cancel()
         finally:
             self._queues.pop(request_id, None)
 
@@ -204,7 +215,7 @@ class OutputDemux:
     async def _run_subscription(self, replica_id: str) -> None:
         error: BaseException = SubscriptionLost(f"the subscription to replica {replica_id} ended")
         call = self._subscribe(Subscription(self.router_id, replica_id))
-        ended = False
+        ended = False  # by the replica: its channel is gone with it
         try:
             if await anext(call) != replica_id:
                 return  # pinned to a replica that is gone: a later request there retries
@@ -217,11 +228,12 @@ class OutputDemux:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            ended = True
             logger.warning("output subscription to replica %s failed: %s", replica_id, e)
             error = SubscriptionLost(f"the subscription to replica {replica_id} failed: {e}")
         finally:
             if not ended:
+                # Whatever broke on this side, the replica must drop its channel too, so
+                # that it stops sending this router's outputs where nobody reads them.
                 call.cancel()
             del self._subscriptions[replica_id]
             for replica, queue in self._queues.values():

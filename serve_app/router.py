@@ -118,9 +118,10 @@ class Router:
         self.demux = OutputDemux(self.pool.subscribe.remote)
 
     async def __del__(self) -> None:
-        # Serve calls this on graceful shutdown: release the replicas' subscriptions now
-        # rather than after their idle time.
-        await self.demux.close()
+        # Serve calls this on graceful shutdown, and after a constructor that failed part
+        # way: release the replicas' subscriptions now rather than after their idle time.
+        if hasattr(self, "demux"):
+            await self.demux.close()
 
     def _authorize(self, header: str | None) -> None:
         """Unauthenticated unless the service is open or `header` carries one of its keys."""

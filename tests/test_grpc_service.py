@@ -17,6 +17,7 @@ from serve_app.grpc_service import (
     response_from_outputs,
     status_for,
 )
+from serve_app.output_mux import SubscriptionLost
 from workers.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
@@ -124,6 +125,8 @@ def _wrapped(exc: BaseException) -> RayTaskError:
         (ValueError("value must be >0, got 0"), grpc.StatusCode.INTERNAL),
         (EngineOverloadedError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (EngineDeadError("dead"), grpc.StatusCode.UNAVAILABLE),
+        # The router lost its output subscription to the replica carrying the request.
+        (SubscriptionLost("the subscription to replica r failed"), grpc.StatusCode.UNAVAILABLE),
         (asyncio.CancelledError(), grpc.StatusCode.CANCELLED),
         # Serve's cancel of a call whose parent request was cancelled.
         (RequestCancelledError("r1"), grpc.StatusCode.CANCELLED),

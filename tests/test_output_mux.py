@@ -40,6 +40,9 @@ class Call:
     def cancel(self) -> None:
         self._task.cancel()
 
+    def done(self) -> bool:
+        return self._task.done()
+
     def __aiter__(self):
         return self
 
@@ -89,15 +92,16 @@ def _out(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
 
 
 class Service:
-    """One replica's channels and one router's demux, its subscribe calls pinned to it."""
+    """One replica's channels and one router's demux, its subscribe calls pinned to that
+    replica (or landing on `elsewhere`, as when the pinned replica is gone)."""
 
-    def __init__(self, idle_s: float = 10.0) -> None:
+    def __init__(self, idle_s: float = 10.0, elsewhere: OutputChannels | None = None) -> None:
         self.engine = Engine()
         self.channels = OutputChannels("replica-a", idle_s=idle_s)
         self.subscriptions: list[Call] = []
 
         def subscribe(sub: Subscription) -> Call:
-            call = Call(self.channels.subscribe(sub))
+            call = Call((elsewhere or self.channels).subscribe(sub))
             self.subscriptions.append(call)
             return call
 
@@ -232,7 +236,7 @@ def test_a_consumer_that_leaves_cancels_its_call_and_the_engine_stream_closes():
         await outputs.aclose()
         await asyncio.sleep(0.01)
         assert "left" in svc.engine.closed
-        assert svc.demux._queues == {}
+        assert svc.demux.num_requests == 0
         # The subscription carries on for the other requests.
         _, other = svc.request("next")
         task = asyncio.ensure_future(_collect(other))
@@ -279,24 +283,17 @@ def test_a_second_subscription_of_one_router_to_one_replica_just_ends():
 
 def test_a_subscription_that_lands_on_another_replica_is_cancelled():
     async def main():
-        svc = Service()
         elsewhere = OutputChannels("replica-b")
-        calls: list[Call] = []
-
-        def subscribe(sub: Subscription) -> Call:
-            calls.append(Call(elsewhere.subscribe(sub)))  # its target was gone
-            return calls[-1]
-
-        svc.demux._subscribe = subscribe
+        svc = Service(elsewhere=elsewhere)
         _, outputs = svc.request("r0")
         task = asyncio.ensure_future(_collect(outputs))
         await svc.engine.wait_for("r0")
         svc.engine.step(1, finish=True)
         await task
         await asyncio.sleep(0.01)
-        assert len(calls) == 1 and calls[0]._task.done()
+        assert len(svc.subscriptions) == 1 and svc.subscriptions[0].done()
         assert elsewhere.stats()["open_subscriptions"] == 0
-        assert svc.demux._subscriptions == {}
+        assert svc.demux.subscribed == set()
 
     asyncio.run(main())
 

@@ -398,7 +398,8 @@ def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
     assert total("ray_baton_requests_total", 'status="invalid"') >= 1  # the bad-input tests
     assert total("ray_baton_kv_handoff_bytes_total") > 0
     # Every handoff of this module succeeded: nothing was silently recomputed.
-    assert total("ray_baton_handoff_recomputed_prompt_tokens_total") == 0
+    recomputed = total("ray_baton_handoff_recomputed_prompt_tokens_total")
+    assert recomputed == 0, _decode_stats()["handoff"]["last_failure"]
     for name in ("ray_baton_kv_cache_usage_ratio", "ray_baton_prefix_cache_hit_rate"):
         assert all(0.0 <= v <= 1.0 for _, v in samples[name]), samples[name]
     assert any('pool="decode"' in labels for labels, _ in samples["ray_baton_running_requests"])

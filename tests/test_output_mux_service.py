@@ -1,0 +1,85 @@
+"""Multiplexed outputs (serve_app/output_mux.py) when an engine replica dies under them,
+against a real Serve on the real model (the protocol itself: test_output_mux.py)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import ray
+from ray import serve
+from service_helpers import KV
+
+from serve_app import service_ops
+from serve_app.client import BatonClient, generate_request
+from serve_app.config import AppConfig, PoolConfig
+
+pytestmark = pytest.mark.slow
+
+APP = "dying"
+
+
+def _engine_stats() -> dict:
+    return serve.get_deployment_handle("EngineServer", app_name=APP).stats.remote().result()
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return found
+
+
+def _answers(client: BatonClient) -> bool:
+    try:
+        reply = client.generate_unary(generate_request("Hello", max_tokens=2), timeout=30)
+    except grpc.RpcError:
+        return False
+    return reply.usage.completion_tokens == 2
+
+
+def test_a_dying_engine_replica_fails_its_muxed_streams_as_unavailable_and_is_replaced(
+    ray_cluster, smollm2_dir, serve_ports
+):
+    config = AppConfig(
+        model=str(smollm2_dir),
+        mode="aggregated",
+        aggregated=PoolConfig(kv_cache_bytes=KV),
+        status_board_name="baton-status-dying",
+    )
+    service_ops.deploy(config, app_name=APP, route_prefix=f"/{APP}", **serve_ports)
+    try:
+        with BatonClient(f"127.0.0.1:{serve_ports['grpc_port']}", application=APP) as client:
+            # The first request streams on its call; the router then subscribes.
+            assert _answers(client)
+            _wait_for(lambda: _engine_stats()["mux"]["open_subscriptions"], "a subscription")
+            long = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+            streams = [
+                client.generate(generate_request(f"Story {i}:", **long), timeout=120)
+                for i in range(3)
+            ]
+            for stream in streams:
+                assert next(stream).token_ids  # each is decoding
+            assert _engine_stats()["mux"]["num_muxed_requests"] == 3
+
+            (name,) = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(f"SERVE_REPLICA::{APP}#EngineServer")
+            ]
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+            for stream in streams:
+                with pytest.raises(grpc.RpcError) as err:
+                    for _ in stream:
+                        pass
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+                assert "Traceback" not in err.value.details()
+            # Serve starts a replacement; the router streams to it, and subscribes anew.
+            _wait_for(lambda: _answers(client), "the replacement replica to answer")
+            _wait_for(lambda: _engine_stats()["mux"]["open_subscriptions"], "a new subscription")
+    finally:
+        serve.delete(APP)
+        serve.shutdown()
