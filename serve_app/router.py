@@ -58,6 +58,10 @@ http_app = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton 
 
 
 def _set_status(grpc_context: RayServegRPCContext, exc: BaseException) -> None:
+    """The status a failed call answers with. A unary method then returns an empty
+    message: the context travels back with it and Serve's proxy answers with the code set
+    there (raising would too, but makes Serve log a traceback per refused request). A
+    streaming method raises: with no message, no context reaches the proxy."""
     code, message = status_for(exc)
     grpc_context.set_code(code)
     grpc_context.set_details(message)
@@ -229,7 +233,7 @@ class Router:
             outputs = [out async for out in self._proto_outputs(request, grpc_context)]
         except Exception as e:
             _set_status(grpc_context, e)
-            raise
+            return pb.GenerateResponse()
         return response_from_outputs(rid, outputs)
 
     async def Tokenize(
@@ -240,7 +244,7 @@ class Router:
             ids = self.frontend.tokenize(prompt_from_proto(request))
         except Exception as e:
             _set_status(grpc_context, e)
-            raise
+            return pb.TokenizeResponse()
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
     async def GetModelInfo(
@@ -250,7 +254,7 @@ class Router:
             self._authorize(_grpc_authorization(grpc_context))
         except Exception as e:
             _set_status(grpc_context, e)
-            raise
+            return pb.ModelInfo()
         counts = await asyncio.to_thread(_replica_counts)
         return model_info(self.config, self.served_model_name, self.frontend, self.dtypes, counts)
 
@@ -268,7 +272,7 @@ class Router:
         if status is None:
             grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
             grpc_context.set_details(f"unknown service {request.service!r}")
-            raise ValueError(f"unknown service {request.service!r}")
+            return health_pb2.HealthCheckResponse()
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(

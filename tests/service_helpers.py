@@ -31,6 +31,16 @@ def _leftovers() -> list[str]:
     return [f"placement group {g['bundles']}" for g in groups if g["state"] != "REMOVED"]
 
 
+def wait_for(predicate, what: str, timeout_s: float = 180.0, poll_s: float = 0.5):
+    """`predicate()`'s first truthy value, polled; AssertionError naming `what` after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+    return found
+
+
 def _greedy(prompt, max_tokens=MAX_TOKENS, **kw) -> pb.GenerateRequest:
     return generate_request(prompt, max_tokens=max_tokens, temperature=0.0, **kw)
 

@@ -115,6 +115,22 @@ class Service:
         while not self.channels.stats()["open_subscriptions"]:
             await asyncio.sleep(0.001)
 
+    async def run_alone(self, rid: str, token: int) -> list[int]:
+        """One request that ends with its first token (no other request is live)."""
+        _, outputs = self.request(rid)
+        task = asyncio.ensure_future(_collect(outputs))
+        await self.engine.wait_for(rid)
+        self.engine.step(token, finish=True)
+        return _tokens(await task)
+
+    async def decoding(self, rid: str):
+        """A request that has streamed its first token (1) and goes on."""
+        call, outputs = self.request(rid)
+        await self.engine.wait_for(rid)
+        self.engine.step(1)
+        assert (await anext(outputs)).new_token_ids == [1]
+        return call, outputs
+
 
 async def _collect(outputs) -> list[RequestOutput]:
     return [out async for out in outputs]
@@ -127,11 +143,7 @@ def _tokens(outs: list[RequestOutput]) -> list[int]:
 def test_the_first_request_streams_on_its_call_and_later_ones_share_a_subscription():
     async def main():
         svc = Service()
-        _, first = svc.request("r0")
-        task = asyncio.ensure_future(_collect(first))
-        await svc.engine.wait_for("r0")
-        svc.engine.step(1, finish=True)
-        assert _tokens(await task) == [1]
+        assert await svc.run_alone("r0", 1) == [1]
         await svc.subscribed()
         assert svc.channels.stats()["num_muxed_requests"] == 0
 
@@ -172,11 +184,7 @@ def test_a_channel_merges_what_piled_up_per_request_in_order():
 def test_a_subscription_ends_when_idle_but_not_while_a_muxed_request_is_live():
     async def main():
         svc = Service(idle_s=0.05)
-        _, first = svc.request("r0")
-        task = asyncio.ensure_future(_collect(first))
-        await svc.engine.wait_for("r0")
-        svc.engine.step(1, finish=True)
-        await task
+        await svc.run_alone("r0", 1)
         await svc.subscribed()
         _, live = svc.request("r1")
         task = asyncio.ensure_future(_collect(live))
@@ -188,11 +196,7 @@ def test_a_subscription_ends_when_idle_but_not_while_a_muxed_request_is_live():
         await asyncio.sleep(0.3)
         assert svc.channels.stats()["open_subscriptions"] == 0
         # The next request streams on its call again, and subscribes anew.
-        _, again = svc.request("r2")
-        task = asyncio.ensure_future(_collect(again))
-        await svc.engine.wait_for("r2")
-        svc.engine.step(6, finish=True)
-        assert _tokens(await task) == [6]
+        assert await svc.run_alone("r2", 6) == [6]
         await svc.subscribed()
         assert svc.channels.stats()["num_subscriptions"] == 2
 
@@ -201,11 +205,7 @@ def test_a_subscription_ends_when_idle_but_not_while_a_muxed_request_is_live():
 
 async def _muxed_service() -> Service:
     svc = Service()
-    _, first = svc.request("warm")
-    task = asyncio.ensure_future(_collect(first))
-    await svc.engine.wait_for("warm")
-    svc.engine.step(1, finish=True)
-    await task
+    await svc.run_alone("warm", 1)
     await svc.subscribed()
     return svc
 
@@ -228,21 +228,15 @@ def test_a_muxed_requests_error_reaches_its_consumer():
 def test_a_consumer_that_leaves_cancels_its_call_and_the_engine_stream_closes():
     async def main():
         svc = await _muxed_service()
-        call, outputs = svc.request("left")
-        await svc.engine.wait_for("left")
-        svc.engine.step(1)
-        assert (await anext(outputs)).new_token_ids == [1]
+        call, outputs = await svc.decoding("left")
         call.cancel()  # what the router does when its client leaves
         await outputs.aclose()
         await asyncio.sleep(0.01)
         assert "left" in svc.engine.closed
         assert svc.demux.num_requests == 0
         # The subscription carries on for the other requests.
-        _, other = svc.request("next")
-        task = asyncio.ensure_future(_collect(other))
-        await svc.engine.wait_for("next")
-        svc.engine.step(2, finish=True)
-        assert _tokens(await task) == [2]
+        assert await svc.run_alone("next", 2) == [2]
+        assert svc.channels.stats()["num_muxed_requests"] == 2
 
     asyncio.run(main())
 
@@ -250,10 +244,7 @@ def test_a_consumer_that_leaves_cancels_its_call_and_the_engine_stream_closes():
 def test_a_lost_subscription_fails_the_requests_it_carried_on_both_sides():
     async def main():
         svc = await _muxed_service()
-        call, outputs = svc.request("carried")
-        await svc.engine.wait_for("carried")
-        svc.engine.step(1)
-        assert (await anext(outputs)).new_token_ids == [1]
+        call, outputs = await svc.decoding("carried")
         svc.subscriptions[-1].cancel()  # the subscription call fails
         with pytest.raises(SubscriptionLost):
             await anext(outputs)
@@ -285,11 +276,7 @@ def test_a_subscription_that_lands_on_another_replica_is_cancelled():
     async def main():
         elsewhere = OutputChannels("replica-b")
         svc = Service(elsewhere=elsewhere)
-        _, outputs = svc.request("r0")
-        task = asyncio.ensure_future(_collect(outputs))
-        await svc.engine.wait_for("r0")
-        svc.engine.step(1, finish=True)
-        await task
+        assert await svc.run_alone("r0", 1) == [1]
         await asyncio.sleep(0.01)
         assert len(svc.subscriptions) == 1 and svc.subscriptions[0].done()
         assert elsewhere.stats()["open_subscriptions"] == 0

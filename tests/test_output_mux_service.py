@@ -3,13 +3,11 @@ against a real Serve on the real model (the protocol itself: test_output_mux.py)
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 import ray
 from ray import serve
-from service_helpers import KV
+from service_helpers import KV, wait_for
 
 from serve_app import service_ops
 from serve_app.client import BatonClient, generate_request
@@ -24,12 +22,8 @@ def _engine_stats() -> dict:
     return serve.get_deployment_handle("EngineServer", app_name=APP).stats.remote().result()
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while not (found := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return found
+def _subscribed() -> int:
+    return _engine_stats()["mux"]["open_subscriptions"]
 
 
 def _answers(client: BatonClient) -> bool:
@@ -54,7 +48,7 @@ def test_a_dying_engine_replica_fails_its_muxed_streams_as_unavailable_and_is_re
         with BatonClient(f"127.0.0.1:{serve_ports['grpc_port']}", application=APP) as client:
             # The first request streams on its call; the router then subscribes.
             assert _answers(client)
-            _wait_for(lambda: _engine_stats()["mux"]["open_subscriptions"], "a subscription")
+            wait_for(_subscribed, "a subscription", poll_s=0.2)
             long = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
             streams = [
                 client.generate(generate_request(f"Story {i}:", **long), timeout=120)
@@ -78,8 +72,8 @@ def test_a_dying_engine_replica_fails_its_muxed_streams_as_unavailable_and_is_re
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
                 assert "Traceback" not in err.value.details()
             # Serve starts a replacement; the router streams to it, and subscribes anew.
-            _wait_for(lambda: _answers(client), "the replacement replica to answer")
-            _wait_for(lambda: _engine_stats()["mux"]["open_subscriptions"], "a new subscription")
+            wait_for(lambda: _answers(client), "the replacement replica to answer", poll_s=0.2)
+            wait_for(_subscribed, "a new subscription", poll_s=0.2)
     finally:
         serve.delete(APP)
         serve.shutdown()

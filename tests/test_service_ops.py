@@ -3,14 +3,13 @@ the service they deploy)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import ray
 from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeDeploySchema
-from service_helpers import KV
+from service_helpers import KV, wait_for
 
 from serve_app import node_drain, service_ops
 from serve_app.client import BatonClient, generate_request
@@ -52,14 +51,6 @@ def _running_replicas(board, app: str) -> set[str]:
     return {s["replica_id"] for s in ray.get(board.snapshots.remote()) if s["app"] == app}
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 180.0):
-    deadline = time.monotonic() + timeout_s
-    while not (found := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
-    return found
-
-
 def test_a_serve_config_that_rescales_one_pool_keeps_its_running_replicas(
     ray_cluster, smollm2_dir, serve_ports
 ):
@@ -92,7 +83,7 @@ def test_a_serve_config_that_rescales_one_pool_keeps_its_running_replicas(
             ok = app is not None and app.status == ApplicationStatus.RUNNING
             return running if ok and len(running) == replicas else None
 
-        return _wait_for(settled, f"{replicas} running EngineServer replicas")
+        return wait_for(settled, f"{replicas} running EngineServer replicas")
 
     try:
         (first,) = deploy_and_wait(config, 1)
