@@ -57,10 +57,14 @@ def _pin_version(deployment, role: str, replica_args: AppConfig):
     return deployment
 
 
-def _pool_options(role: str, pool: PoolConfig) -> dict[str, Any]:
+def _pool_options(role: str, pool: PoolConfig, num_routers: int) -> dict[str, Any]:
+    # Each router's output subscription to a replica (output_mux.py) is an ongoing request
+    # of its own there: it gets a slot on top of the requests the pool admits. Prefill
+    # replicas stream nothing to routers.
+    subscriptions = 0 if role == "prefill" else num_routers
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAMES[role],
-        "max_ongoing_requests": pool.max_ongoing_requests,
+        "max_ongoing_requests": pool.max_ongoing_requests + subscriptions,
         "ray_actor_options": {
             "num_cpus": pool.num_cpus,
             # TP ranks take the devices; the replica process itself needs one only at tp=1.
@@ -125,7 +129,7 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
     engine = serve.deployment(EngineServer)
 
     def pool(role: str, *extra: Any):
-        options = _pool_options(role, config.pools()[role])
+        options = _pool_options(role, config.pools()[role], config.router.num_replicas)
         deployment = _pin_version(engine.options(**options), role, replica_args)
         return deployment.bind(replica_args, role, *extra)
 

@@ -75,7 +75,8 @@ class PoolConfig(_Frozen):
     num_threads: int = Field(1, ge=1)
     # Weights and KV cache; pools may differ (a handoff converts the KV on import).
     dtype: DType = "auto"
-    # Requests Serve sends one replica at once; beyond it they queue at the router.
+    # Requests Serve sends one replica at once; beyond it they queue at the router. (A
+    # streaming pool's replicas take one more per router replica: its output subscription.)
     max_ongoing_requests: int = Field(128, ge=1)
     # How long a replica that is scaled down or replaced may finish its streams before
     # Serve stops it: long enough for the longest generation you serve.

@@ -98,6 +98,16 @@ def test_each_pool_sets_how_long_its_replicas_may_drain(model_dir):
     ] == 300
 
 
+def test_streaming_pools_leave_each_router_a_slot_for_its_output_subscription(model_dir):
+    pools = {"prefill": {"max_ongoing_requests": 4}, "decode": {"max_ongoing_requests": 4}}
+    app = build_app({"model": str(model_dir), "router": {"num_replicas": 2}, **pools})
+    slots = {d.name: d._deployment_config.max_ongoing_requests for d in _deployments(app)}
+    assert slots["PrefillServer"] == 4 and slots["DecodeServer"] == 4 + 2
+    agg = build_app({"model": str(model_dir), "mode": "aggregated"})
+    slots = {d.name: d._deployment_config.max_ongoing_requests for d in _deployments(agg)}
+    assert slots["EngineServer"] == 128 + 1
+
+
 def _deployments(app) -> list:
     """Every deployment of an application graph (bound deployments are init args)."""
     seen, stack = [], [app]
