@@ -240,7 +240,7 @@ class OutputDemux:
                 if replica == replica_id:
                     queue.put_nowait(error)
 
-    async def close(self) -> None:
+    def close(self) -> None:
         for task in list(self._subscriptions.values()):
             task.cancel()
 

@@ -121,11 +121,11 @@ class Router:
         self.metrics = RouterMetrics(serve.get_replica_context().app_name)
         self.demux = OutputDemux(self.pool.subscribe.remote)
 
-    async def __del__(self) -> None:
+    def __del__(self) -> None:
         # Serve calls this on graceful shutdown, and after a constructor that failed part
         # way: release the replicas' subscriptions now rather than after their idle time.
         if hasattr(self, "demux"):
-            await self.demux.close()
+            self.demux.close()
 
     def _authorize(self, header: str | None) -> None:
         """Unauthenticated unless the service is open or `header` carries one of its keys."""

@@ -160,7 +160,7 @@ def test_the_first_request_streams_on_its_call_and_later_ones_share_a_subscripti
         stats = svc.channels.stats()
         assert stats["num_muxed_requests"] == 4
         assert stats["num_batches"] == 4 and stats["num_outputs"] == 16  # a batch per step
-        await svc.demux.close()
+        svc.demux.close()
 
     asyncio.run(main())
 
