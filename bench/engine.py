@@ -2,7 +2,10 @@
 
 Prints JSON lines: single-stream decode tokens/s (32-token prompt, 128 new
 tokens), aggregate tokens/s at 8 and 32 concurrent requests (128 new tokens
-each), TTFT of a 512-token prompt, and ratio.*.engine_over_hf for each.
+each), TTFT of a 512-token prompt, and ratio.*.engine_over_hf for each. The single
+stream is also measured with n-gram speculative decoding on both sides
+(`engine_ngram`: EngineConfig.speculative; `hf_ngram`: generate's prompt lookup
+with as many tokens), each against plain transformers and against the other.
 Measurements alternate engine / transformers round by round and report the
 median, since absolute speed drifts on a shared 2-core machine. Both run in
 --dtype (float32 by default; bfloat16 is the fast path on CPUs with AMX or
@@ -17,13 +20,14 @@ import argparse
 import os
 import time
 import uuid
+from dataclasses import asdict, replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from common import TOPICS, cpu_count, emit, git_commit, log, median, topic_prompt  # noqa: E402
 
-from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from workers.engine.engine import LLMEngine  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
 from workers.model.default_model import ensure_default_gguf, ensure_default_model  # noqa: E402
@@ -46,7 +50,9 @@ def engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     return produced / (time.perf_counter() - start), first
 
 
-def hf_run(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+def hf_run(
+    model, prompts: list[list[int]], max_tokens: int, **generate_kwargs
+) -> tuple[float, float]:
     """transformers' batched generate with left padding; (tokens/s, seconds)."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -63,6 +69,7 @@ def hf_run(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, flo
             min_new_tokens=max_tokens,
             do_sample=False,
             pad_token_id=0,
+            **generate_kwargs,
         )
     elapsed = time.perf_counter() - start
     assert out.shape[1] - width == max_tokens
@@ -83,14 +90,16 @@ def main() -> None:
     gguf = ensure_default_gguf()
     # Prefix caching off: rounds repeat the same prompts, and a cache hit would
     # measure the cache (bench/prefix_cache.py does), not the engine against HF.
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            num_threads=args.threads,
-            enable_prefix_caching=False,
-            dtype=args.dtype,
-        )
+    config = EngineConfig(
+        model=str(model_dir),
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        dtype=args.dtype,
     )
+    engine = LLMEngine(config)
+    speculative = SpeculativeConfig()
+    engine_ngram = LLMEngine(replace(config, speculative=speculative))
+    lookup = {"prompt_lookup_num_tokens": speculative.num_tokens}
     log("loading transformers' reference from the GGUF file")
     hf = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
@@ -107,11 +116,15 @@ def main() -> None:
         log(f"  {name:20s} {system:7s} {value:.3f}")
 
     engine_run(engine, single, 8)  # warm-up: first calls allocate and fault in weights
+    engine_run(engine_ngram, single, 8)
     hf_run(hf, single, 8)
     for r in range(args.rounds):
         log(f"round {r + 1}/{args.rounds}")
         record("single_stream_tok_s", "engine", engine_run(engine, single, NEW_TOKENS)[0])
         record("single_stream_tok_s", "hf", hf_run(hf, single, NEW_TOKENS)[0])
+        ngram = engine_run(engine_ngram, single, NEW_TOKENS)[0]
+        record("single_stream_tok_s", "engine_ngram", ngram)
+        record("single_stream_tok_s", "hf_ngram", hf_run(hf, single, NEW_TOKENS, **lookup)[0])
         for c, prompts in batches.items():
             record(f"c{c}_tok_s", "engine", engine_run(engine, prompts, NEW_TOKENS)[0])
             record(f"c{c}_tok_s", "hf", hf_run(hf, prompts, NEW_TOKENS)[0])
@@ -126,16 +139,16 @@ def main() -> None:
         "new_tokens": NEW_TOKENS,
         "git_commit": git_commit(),
     }
+    ratios = [("engine", "hf"), ("engine_ngram", "hf"), ("engine_ngram", "hf_ngram")]
     for name, by_system in results.items():
         unit = "s" if name.startswith("ttft") else "tok/s"
         for system, values in by_system.items():
             emit(f"{system}.{name}", median(values), unit, **context)
-        emit(
-            f"ratio.{name}.engine_over_hf",
-            median(by_system["engine"]) / median(by_system["hf"]),
-            "ratio",
-            **context,
-        )
+        for ours, theirs in ratios:
+            if ours in by_system and theirs in by_system:
+                value = median(by_system[ours]) / median(by_system[theirs])
+                extra = {"speculative": asdict(speculative)} if ours == "engine_ngram" else {}
+                emit(f"ratio.{name}.{ours}_over_{theirs}", value, "ratio", **context, **extra)
 
 
 if __name__ == "__main__":

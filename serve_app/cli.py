@@ -61,6 +61,12 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--dtype", choices=DTYPES, default=None, help="with --local: the engine's (default auto)"
     )
+    gen.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="with --local: n-gram speculative decoding, up to N drafted tokens a step (0: off)",
+    )
     _add_sampling_args(gen)
 
     serve = sub.add_parser("serve", help="deploy the service (joins RAY_ADDRESS or starts Ray)")
@@ -145,13 +151,14 @@ def _write(text: str) -> None:
 def _generate(args: argparse.Namespace) -> int:
     messages = _messages(args)
     if not args.local:
-        if args.model is not None or args.dtype is not None:
+        if args.model is not None or args.dtype is not None or args.speculative_tokens:
             raise ValueError(
-                "--model and --dtype need --local: the service runs what it was deployed with"
+                "--model, --dtype and --speculative-tokens need --local: the service runs "
+                "what it was deployed with"
             )
         return _generate_remote(args, messages)
     # Heavy imports wait until a command needs them, so `baton --help` is instant.
-    from workers.engine.config import EngineConfig
+    from workers.engine.config import EngineConfig, SpeculativeConfig
     from workers.engine.engine import LLMEngine
     from workers.engine.sampling_params import SamplingParams
     from workers.model.default_model import ensure_default_model
@@ -159,7 +166,12 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(**_sampling(args))
     model = args.model or str(ensure_default_model())
     log.info("loading %s", model)
-    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype or "auto"))
+    speculative = (
+        SpeculativeConfig(num_tokens=args.speculative_tokens) if args.speculative_tokens else None
+    )
+    engine = LLMEngine(
+        EngineConfig(model=model, dtype=args.dtype or "auto", speculative=speculative)
+    )
     if messages is not None:
         prompt_ids = engine.tokenizer.encode_chat(messages)
     else:

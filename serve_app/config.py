@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.status_board import DEFAULT_BOARD_NAME
-from workers.engine.config import EngineConfig
+from workers.engine.config import EngineConfig, SpeculativeConfig
 
 # How prefill's KV blocks reach decode (workers/engine/kv_transport.py): "nixl" (Ray
 # Direct Transport: decode pulls the KV heads straight from the prefill ranks holding
@@ -84,6 +84,10 @@ class PoolConfig(_Frozen):
     # Handoff KV a decode replica may hold pulled but not yet imported (None: a quarter of
     # its KV cache); beyond it, further pulls wait for imports.
     max_pulled_kv_bytes: int | None = Field(None, ge=1)
+    # N-gram speculative decoding: up to this many drafted tokens per sequence and step,
+    # checked in one step while at most 4 sequences decode (workers/engine/speculative.py;
+    # greedy output unchanged). 0 turns it off. A prefill replica ignores it.
+    speculative_tokens: int = Field(0, ge=0, le=16)
 
 
 class RouterConfig(_Frozen):
@@ -184,4 +188,9 @@ class AppConfig(_Frozen):
             handoff_timeout_s=self.handoff_timeout_s,
             kv_transport=self.transport,
             detokenize=False,  # the router makes the text (serve_app/text_stream.py)
+            speculative=(
+                SpeculativeConfig(num_tokens=pool.speculative_tokens)
+                if pool.speculative_tokens
+                else None
+            ),
         )

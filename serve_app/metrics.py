@@ -114,6 +114,11 @@ class ReplicaMetrics:
         self.hit_rate = Gauge(
             "baton_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache.", keys
         )
+        self.draft_acceptance = Gauge(
+            "baton_speculative_acceptance_ratio",
+            "Drafted tokens the model agreed with, of those checked (speculative decoding).",
+            keys,
+        )
         self.handoff_bytes = Counter(
             "baton_kv_handoff_bytes_total", "KV-cache bytes received from prefill.", keys
         )
@@ -144,6 +149,9 @@ class ReplicaMetrics:
         used = stats.num_total_blocks - stats.num_free_blocks
         self.kv_usage.set(used / max(stats.num_total_blocks, 1), self._tags)
         self.hit_rate.set(stats.prefix_cache_hit_rate, self._tags)
+        if stats.num_draft_tokens:  # a replica that never speculated exports no ratio
+            ratio = stats.num_accepted_draft_tokens / stats.num_draft_tokens
+            self.draft_acceptance.set(ratio, self._tags)
 
     def handoff(self, num_bytes: int, seconds: float) -> None:
         if num_bytes:  # none when decode held every block; Ray's Counter refuses inc(0)

@@ -33,8 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 
 from serve_app.protocol import StreamStart, Subscription
-from workers.engine.async_commands import merge_outputs
-from workers.engine.outputs import RequestOutput
+from workers.engine.outputs import RequestOutput, merge_outputs
 
 logger = logging.getLogger(__name__)
 

@@ -259,7 +259,9 @@ def service(ray_cluster, smollm2_dir, serve_ports):
     disagg = AppConfig(
         mode="disaggregated",
         prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
-        decode=PoolConfig(kv_cache_bytes=KV),
+        # Speculating, so that every comparison of "disagg" with "agg" and the in-process
+        # engine also covers n-gram speculative decoding end to end.
+        decode=PoolConfig(kv_cache_bytes=KV, speculative_tokens=4),
     )
     # Streams every 3 tokens after the first, so test_service.py's comparisons also cover
     # merged messages through the router's text and stop strings; and over actor calls,

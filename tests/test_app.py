@@ -78,6 +78,17 @@ def test_each_pool_chooses_its_dtype(model_dir):
         AppConfig.model_validate({"decode": {"dtype": "fp8"}})
 
 
+def test_a_pool_turns_speculative_decoding_on_by_its_draft_count(model_dir):
+    config = AppConfig.model_validate(
+        {"model": str(model_dir), "decode": {"speculative_tokens": 6}}
+    )
+    decode = config.engine_config(config.decode, str(model_dir), "m")
+    assert decode.speculative is not None and decode.speculative.num_tokens == 6
+    assert config.engine_config(config.prefill, str(model_dir), "m").speculative is None
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        AppConfig.model_validate({"decode": {"speculative_tokens": 17}})
+
+
 def test_the_graph_has_a_router_and_one_deployment_per_pool(model_dir):
     for mode, pools in [("aggregated", ["aggregated"]), ("disaggregated", ["prefill", "decode"])]:
         app = build_app({"model": str(model_dir), "mode": mode})

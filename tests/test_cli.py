@@ -147,6 +147,15 @@ def test_local_generation_in_bfloat16(model_dir, capsys):
     assert capsys.readouterr().out.endswith("\n")
 
 
-def test_model_and_dtype_need_local(capsys):
-    assert main(["generate", "--dtype", "bfloat16", "Hello"]) == 2
-    assert "--dtype need --local" in capsys.readouterr().err
+def test_local_generation_with_speculation_writes_the_same_text(model_dir, capsys):
+    args = ["generate", "--local", "--model", str(model_dir), "--max-tokens", "30", "Hello"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--speculative-tokens", "4"]) == 0
+    assert capsys.readouterr().out == plain
+
+
+@pytest.mark.parametrize("flag", [["--dtype", "bfloat16"], ["--speculative-tokens", "4"]])
+def test_engine_settings_need_local(flag, capsys):
+    assert main(["generate", *flag, "Hello"]) == 2
+    assert "--speculative-tokens need --local" in capsys.readouterr().err

@@ -100,6 +100,7 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "dtype": r["dtype"],
             "max_ongoing_requests": r["maxOngoingRequests"],
             "graceful_shutdown_timeout_s": r["gracefulShutdownTimeoutS"],
+            "speculative_tokens": r["speculativeTokens"],
         }
         a = p["autoscaling"]
         if a["enabled"]:

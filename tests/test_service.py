@@ -55,6 +55,7 @@ def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
 ):
     engine = LLMEngine(EngineConfig(model=str(smollm2_dir), kv_cache_bytes=KV))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    drafts_before = _decode_stats()["engine"]["num_accepted_draft_tokens"]
     expected = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], params)
     for prompt, seq in zip(PROMPTS, expected, strict=True):
         want, want_text = seq.output_token_ids, seq.detokenizer.text
@@ -69,6 +70,8 @@ def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
         assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
         assert last.usage.completion_tokens == len(want)
         assert last.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+    # The decode pool speculates (conftest): its drafts were checked and some taken.
+    assert _decode_stats()["engine"]["num_accepted_draft_tokens"] > drafts_before
 
     # A stop string (applied by the router, not the engines) cuts the output where the
     # in-process engine does: the same tokens, text and usage.
@@ -384,6 +387,7 @@ def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
         "ray_baton_prefix_cache_hit_rate",
         "ray_baton_kv_handoff_bytes_total",
         "ray_baton_kv_handoff_seconds_count",
+        "ray_baton_speculative_acceptance_ratio",  # the decode pool speculates (conftest)
     }
     deadline = time.monotonic() + 60  # Ray exports on an interval
     while not wanted <= set(samples := _scrape(ray_metrics_port)):
@@ -400,7 +404,11 @@ def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
     # Every handoff of this module succeeded: nothing was silently recomputed.
     recomputed = total("ray_baton_handoff_recomputed_prompt_tokens_total")
     assert recomputed == 0, _decode_stats()["handoff"]["last_failure"]
-    for name in ("ray_baton_kv_cache_usage_ratio", "ray_baton_prefix_cache_hit_rate"):
+    for name in (
+        "ray_baton_kv_cache_usage_ratio",
+        "ray_baton_prefix_cache_hit_rate",
+        "ray_baton_speculative_acceptance_ratio",
+    ):
         assert all(0.0 <= v <= 1.0 for _, v in samples[name]), samples[name]
     assert any('pool="decode"' in labels for labels, _ in samples["ray_baton_running_requests"])
 

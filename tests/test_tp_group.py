@@ -19,7 +19,8 @@ def _spec(model_dir, dtype=torch.float32) -> RunnerSpec:
 
 
 def _steps() -> list[StepInput]:
-    """A prefill of two prompts, then a mixed step: two decodes and a chunk on a cached prefix."""
+    """A prefill of two prompts, then a mixed step: a decode, a decode with two speculated
+    tokens (logits at all three) and a chunk on a cached prefix."""
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, 320, (37,), generator=g).tolist()
     b = torch.randint(0, 320, (20,), generator=g).tolist()
@@ -30,7 +31,7 @@ def _steps() -> list[StepInput]:
         StepInput(
             [
                 SeqChunk([7], 37, [0, 1, 2], True),
-                SeqChunk([9], 20, [3, 4], True),
+                SeqChunk([9, 4, 5], 20, [3, 4], True, num_drafts=2),
                 SeqChunk(c[30:], 30, [5, 6, 7, 8], True),
             ]
         ),

@@ -152,6 +152,7 @@ every replica of every pool when one pool is rescaled.
     "num_threads" $r.numThreads
     "dtype" $r.dtype
     "max_ongoing_requests" $r.maxOngoingRequests
+    "speculative_tokens" $r.speculativeTokens
     "graceful_shutdown_timeout_s" $r.gracefulShutdownTimeoutS }}
 {{- toJson $args }}
 {{- end }}

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineDeadError, dead_error
 from workers.engine.kv_transport import KVPart
-from workers.engine.outputs import RequestOutput
+from workers.engine.outputs import RequestOutput, merge_outputs
 from workers.engine.pull_budget import PullBudget
 from workers.engine.sequence import FinishReason
 
@@ -60,17 +60,6 @@ class Abort:
     # Set for abort(): resolved with whether anything was aborted.
     reply: asyncio.Future | None = None
     reply_loop: asyncio.AbstractEventLoop | None = None
-
-
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one request as one: their tokens, text and logprobs in
-    order, the last one's state (finished, finish reason, counts, handoff)."""
-    return replace(
-        outputs[-1],
-        new_token_ids=[t for o in outputs for t in o.new_token_ids],
-        new_text="".join(o.new_text for o in outputs),
-        new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
-    )
 
 
 async def next_output(

@@ -12,6 +12,33 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """N-gram speculative decoding (prompt lookup, workers/engine/speculative.py): each
+    decoding sequence drafts up to `num_tokens` tokens that followed the latest earlier
+    occurrence of its last `lookup_max`..`lookup_min` tokens, and one step checks them all.
+    Greedy output is unchanged; sampled output keeps its distribution. It pays where a
+    step is bound by reading the weights (few sequences), so it runs only while at most
+    `max_running` sequences do: past that a step is bound by compute, which drafts add to.
+    """
+
+    num_tokens: int = 4
+    lookup_min: int = 1
+    lookup_max: int = 3
+    max_running: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"speculative num_tokens must be in [1, 16], got {self.num_tokens}")
+        if not 1 <= self.lookup_min <= self.lookup_max <= 16:
+            raise ValueError(
+                "speculative lookup_min and lookup_max must satisfy 1 <= lookup_min <= "
+                f"lookup_max <= 16, got {self.lookup_min} and {self.lookup_max}"
+            )
+        if self.max_running < 1:
+            raise ValueError(f"speculative max_running must be >= 1, got {self.max_running}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     block_size: int = 16
@@ -48,6 +75,8 @@ class EngineConfig:
     # are refused; for a front end that detokenizes and applies stop strings itself
     # (Baton's router), so the engine loop spends nothing on text.
     detokenize: bool = True
+    # None: one token per sequence and step.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

@@ -28,8 +28,7 @@ from workers.engine.model_runner import (
     StepInput,
     kv_cache_bytes_per_block,
 )
-from workers.engine.outputs import EngineStats, RequestOutput
-from workers.engine.sampler import sample
+from workers.engine.outputs import EngineStats, RequestOutput, merge_outputs
 from workers.engine.sampling_params import (
     SamplingParams,
     TokenLogprob,
@@ -38,6 +37,7 @@ from workers.engine.sampling_params import (
 )
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
+from workers.engine.speculative import NgramSpeculator, sample_with_drafts
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import Tokenizer, eos_token_ids
 from workers.torch_threads import use_num_threads
@@ -113,6 +113,11 @@ class LLMEngine:
             model_dir, self.model_config.eos_token_ids, self.tokenizer
         )
         self._generator = torch.Generator().manual_seed(config.seed)
+        self.speculator = (
+            NgramSpeculator(config.speculative, self.max_model_len)
+            if config.speculative is not None
+            else None
+        )
         self._requests: dict[str, Sequence] = {}
         self._num_steps = 0
         self._num_generated = 0
@@ -213,39 +218,65 @@ class LLMEngine:
         self.handoffs.expire(now)
         self._admit_imports(now)
         outputs, self._outbox = self._outbox, []
-        scheduled = self.scheduler.schedule().scheduled
+        drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        scheduled = self.scheduler.schedule(drafts).scheduled
         if not scheduled:
             self.kv.flush_events()
             return outputs
-        sampling = [s.seq for s in scheduled if s.samples]
+        sampling = [s for s in scheduled if s.samples]
         logits = self.runner.execute(StepInput([self._chunk(s) for s in scheduled]))
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            # Drafts count as computed only once accepted (_accept).
+            s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids)
             self.kv.commit_computed_blocks(s.seq)
-        self.kv.flush_events()
         self._num_steps += 1
-        self._num_generated += len(sampling)
         if not sampling:
+            self.kv.flush_events()
             return outputs
-        result = sample(
+        picks = sample_with_drafts(
             logits,
-            [seq.params for seq in sampling],
-            [seq.generator for seq in sampling],
+            [(s.seq, s.draft_token_ids) for s in sampling],
             self._generator,
-            [(seq.prompt_token_ids, seq.output_token_ids) for seq in sampling],
             self.eos_token_ids,
         )
         now = time.monotonic()
-        return outputs + [
-            self._append_token(seq, token, logprob, now)
-            for seq, token, logprob in zip(sampling, result.token_ids, result.logprobs, strict=True)
-        ]
+        outputs += [self._accept(s, picked, now) for s, picked in zip(sampling, picks, strict=True)]
+        self.kv.flush_events()
+        return outputs
+
+    def _accept(
+        self, s: ScheduledSequence, picked: list[tuple[int, TokenLogprob | None]], now: float
+    ) -> RequestOutput:
+        """Appends a sampling sequence's tokens of this step: the first one, and after
+        each draft the model agreed with (its K/V, computed this step, stays), the next."""
+        seq, drafts = s.seq, s.draft_token_ids
+        outs = []
+        accepted = 0
+        for j, (token, logprob) in enumerate(picked):
+            outs.append(self._append_token(seq, token, logprob, now))
+            if j == len(drafts) or token != drafts[j]:
+                break
+            accepted += 1
+            if outs[-1].finished:
+                break
+            seq.num_computed_tokens += 1
+        self._num_generated += len(outs)
+        if drafts:
+            self.speculator.record(len(drafts), accepted)
+            if not seq.finished:
+                self.kv.commit_computed_blocks(seq)
+        return outs[0] if len(outs) == 1 else merge_outputs(outs)
 
     @staticmethod
     def _chunk(s: ScheduledSequence) -> SeqChunk:
         start = s.seq.num_computed_tokens
+        own = s.num_new_tokens - len(s.draft_token_ids)
         return SeqChunk(
-            s.seq.token_ids(start, start + s.num_new_tokens), start, s.seq.block_table, s.samples
+            s.seq.token_ids(start, start + own) + list(s.draft_token_ids),
+            start,
+            s.seq.block_table,
+            s.samples,
+            len(s.draft_token_ids),
         )
 
     def _append_token(
@@ -409,4 +440,8 @@ class LLMEngine:
             kv_blocks_reused_for_import=self.imports.num_blocks_reused,
             kv_export_s=self.handoffs.export_s,
             kv_import_s=self.imports.import_s,
+            num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
+            num_accepted_draft_tokens=(
+                self.speculator.num_accepted_tokens if self.speculator else 0
+            ),
         )

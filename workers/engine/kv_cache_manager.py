@@ -99,11 +99,14 @@ class KVCacheManager:
         seq.num_committed_blocks = len(blocks)
         seq.num_computed_tokens = len(blocks) * self.block_size
 
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks `allocate(seq, num_new_tokens)` would take from the pool."""
+        total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
+        return max(total - len(seq.block_table), 0)
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grows `seq`'s block table to hold `num_new_tokens` more; False if the pool is short."""
-        needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(
-            seq.block_table
-        )
+        needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.pool.num_free:
             return False
         if needed > 0:

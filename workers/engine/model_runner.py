@@ -27,6 +27,9 @@ class SeqChunk:
     start_pos: int  # position of token_ids[0]; everything before is cached
     block_table: list[int]
     sample: bool  # the chunk ends the sequence's known tokens, so it yields logits
+    # Speculated tokens ending the chunk; a sampling chunk then yields logits at each of
+    # them and at the token before them.
+    num_drafts: int = 0
 
 
 @dataclass
@@ -100,7 +103,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Runs the step; returns logits [number of sampling chunks, vocab] in chunk order."""
+        """Runs the step; returns logits in chunk order: one row per sampling chunk, plus
+        one per draft it ends with."""
         decodes = [i for i, c in enumerate(step.chunks) if len(c.token_ids) == 1]
         prefills = [i for i, c in enumerate(step.chunks) if len(c.token_ids) > 1]
         token_ids: list[int] = []
@@ -148,7 +152,12 @@ class ModelRunner:
             torch.tensor(positions, device=self.device),
             meta,
         )
-        rows = [last_row[i] for i, c in enumerate(step.chunks) if c.sample]
+        rows = [
+            row
+            for i, c in enumerate(step.chunks)
+            if c.sample
+            for row in range(last_row[i] - c.num_drafts, last_row[i] + 1)
+        ]
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         # The sampler runs on the host with host generators, as for a TP group's logits.
         return self.model.compute_logits(hidden[rows_t]).float().cpu()

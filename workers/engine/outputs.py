@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from workers.engine.kv_transfer import KVHandle
 from workers.engine.sampling_params import TokenLogprob
@@ -27,6 +27,17 @@ class RequestOutput:
     handoff: KVHandle | None = None
 
 
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in
+    order, the last one's state (finished, finish reason, counts, handoff)."""
+    return replace(
+        outputs[-1],
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outputs),
+        new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
+    )
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -47,3 +58,6 @@ class EngineStats:
     kv_blocks_reused_for_import: int  # taken from this engine's prefix cache instead
     kv_export_s: float  # seconds copying blocks out for handoffs, in total
     kv_import_s: float  # seconds writing handed-over blocks in, in total
+    # Speculative decoding: draft tokens checked, and of those, tokens the model agreed on.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0

@@ -14,6 +14,7 @@ sequence is readmitted the same way and may find its own blocks still cached.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from workers.engine.kv_cache_manager import KVCacheManager
@@ -37,12 +38,15 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    # Speculated tokens computed after the sequence's own (speculative.py).
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the sequence's last token, so it yields logits."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        own = self.num_new_tokens - len(self.draft_token_ids)
+        return self.seq.num_computed_tokens + own == self.seq.num_tokens
 
 
 @dataclass
@@ -73,14 +77,30 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[Sequence, list[int]] | None = None) -> SchedulerOutput:
+        """This step's work. `drafts`: speculated tokens of decoding sequences, scheduled
+        after their own token as far as the budget and free blocks allow, never at the
+        cost of a preemption."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        drafts = drafts or {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            # Drafts never take a token, or a block, that a running sequence after this
+            # one may need for its own next token.
+            later = len(self.running) - i - 1
+            guess = tuple(drafts.get(seq, ())[: max(budget - n - later, 0)])
+            if guess and (
+                self.kv.blocks_needed(seq, n + len(guess)) + later <= self.kv.num_free_blocks
+            ):
+                self.kv.allocate(seq, n + len(guess))
+                out.scheduled.append(ScheduledSequence(seq, n + len(guess), guess))
+                budget -= n + len(guess)
+                i += 1
+                continue
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -1,0 +1,129 @@
+"""N-gram speculative decoding (prompt lookup): drafts from the sequence's own tokens.
+
+Text repeats itself: names, code identifiers, quoted passages, a summary echoing its
+source. So the tokens that followed an earlier occurrence of a sequence's last few
+tokens are a free guess at what comes next. The engine appends a decoding sequence's
+drafts to its step as a short chunk; the model's logits at every position of the chunk
+are sampled as if each draft before them had been accepted, and the sequence keeps the
+sampled tokens up to the first one that differs from its draft (that one too: it is the
+model's own choice there). A step thus yields 1 to `num_tokens + 1` tokens per sequence
+for about the price of one while a step is bound by reading the weights.
+
+Every kept token is sampled from the model's distribution given the tokens before it,
+with the request's own parameters and history, so greedy output is exactly what it is
+without speculation. A seeded request stays reproducible, but its random draws fall
+differently than without speculation (the rows of rejected drafts use some).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Collection
+from collections.abc import Sequence as Tokens
+
+import torch
+
+from workers.engine.config import SpeculativeConfig
+from workers.engine.sampler import sample
+from workers.engine.sampling_params import TokenLogprob
+from workers.engine.sequence import Sequence
+
+_INT32 = 4  # bytes per token in the search buffer
+
+
+def ngram_drafts(
+    tokens: Tokens[int], num_tokens: int, lookup_min: int, lookup_max: int
+) -> list[int]:
+    """`num_tokens` tokens that followed the latest earlier occurrence of the longest
+    suffix of `tokens` of `lookup_max` down to `lookup_min` tokens; [] if none."""
+    n_total = len(tokens)
+    if n_total < 2:
+        return []
+    # bytes.rfind is a C substring search; a match must start on a token boundary.
+    buf = array("i", tokens).tobytes()
+    for n in range(min(lookup_max, n_total - 1), lookup_min - 1, -1):
+        suffix = buf[-n * _INT32 :]
+        # An occurrence must end before the last token, so that a token follows it.
+        end = (n_total - 1) * _INT32
+        pos = buf.rfind(suffix, 0, end)
+        while pos > 0 and pos % _INT32:
+            pos = buf.rfind(suffix, 0, pos + len(suffix) - 1)
+        if pos >= 0 and pos % _INT32 == 0:
+            # What followed the occurrence, continued past the known tokens by the same
+            # copy rule (token x is token x - period), so that a loop drafts in full.
+            start = pos // _INT32 + n
+            drafts: list[int] = []
+            for x in range(start, start + num_tokens):
+                drafts.append(tokens[x] if x < n_total else drafts[x - n_total])
+            return drafts
+    return []
+
+
+class NgramSpeculator:
+    """Proposes each decoding sequence's drafts for the coming step."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = 0  # drafts the model checked
+        self.num_accepted_tokens = 0  # of those, the ones it agreed with
+
+    def propose(self, running: list[Sequence]) -> dict[Sequence, list[int]]:
+        cfg = self.config
+        if len(running) > cfg.max_running:
+            return {}
+        drafts = {}
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1 or seq.prefill_only:
+                continue  # prefilling, or a handoff that stops at its first token
+            # Room for the drafts and the token sampled after them.
+            room = (
+                min(
+                    seq.params.max_tokens - len(seq.output_token_ids),
+                    self.max_model_len - seq.num_tokens,
+                )
+                - 1
+            )
+            if room < 1:
+                continue
+            found = ngram_drafts(
+                seq.prompt_token_ids + seq.output_token_ids,
+                min(cfg.num_tokens, room),
+                cfg.lookup_min,
+                cfg.lookup_max,
+            )
+            if found:
+                drafts[seq] = found
+        return drafts
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+
+
+def sample_with_drafts(
+    logits: torch.Tensor,
+    sequences: list[tuple[Sequence, tuple[int, ...]]],
+    default_generator: torch.Generator,
+    eos_token_ids: Collection[int],
+) -> list[list[tuple[int, TokenLogprob | None]]]:
+    """Samples a step's logits: one row per sequence and per draft it carries, each with
+    the history its position would have if the drafts before it are accepted. Returns
+    each sequence's (token, logprob) picks in position order."""
+    rows = [(seq, drafts[:j]) for seq, drafts in sequences for j in range(len(drafts) + 1)]
+    result = sample(
+        logits,
+        [seq.params for seq, _ in rows],
+        [seq.generator for seq, _ in rows],
+        default_generator,
+        [
+            (
+                seq.prompt_token_ids,
+                seq.output_token_ids + list(before) if before else seq.output_token_ids,
+            )
+            for seq, before in rows
+        ],
+        eos_token_ids,
+    )
+    picked = iter(zip(result.token_ids, result.logprobs, strict=True))
+    return [[next(picked) for _ in range(len(drafts) + 1)] for _, drafts in sequences]
