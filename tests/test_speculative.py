@@ -93,6 +93,30 @@ def test_no_proposals_past_max_running():
     assert spec.propose(seqs) == {}
 
 
+def test_a_sequence_whose_drafts_keep_failing_drafts_less_often():
+    spec = NgramSpeculator(SpeculativeConfig(), max_model_len=100)
+    seq = _decoding("s", [3, 4, 3, 4], [3])
+
+    def drafted_steps(num_steps: int) -> list[int]:
+        """The steps (of the next `num_steps`) in which `seq` drafts, each one a miss."""
+        steps = []
+        for step in range(num_steps):
+            if spec.propose([seq]):
+                steps.append(step)
+                spec.record(seq, 4, 0)
+        return steps
+
+    # Pauses of 0, 1, 3, 7, then 15 steps after each miss in a row.
+    assert drafted_steps(40) == [0, 1, 3, 7, 15, 31]
+    assert drafted_steps(32) == [7, 23]
+    # One accepted draft ends the pause after it and resets the count.
+    while not spec.propose([seq]):
+        pass
+    spec.record(seq, 4, 1)
+    assert drafted_steps(4) == [0, 1, 3]
+    assert (spec.num_draft_tokens, spec.num_accepted_tokens) == (4 * 12, 1)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

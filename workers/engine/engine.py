@@ -262,7 +262,7 @@ class LLMEngine:
             seq.num_computed_tokens += 1
         self._num_generated += len(outs)
         if drafts:
-            self.speculator.record(len(drafts), accepted)
+            self.speculator.record(seq, len(drafts), accepted)
             if not seq.finished:
                 self.kv.commit_computed_blocks(seq)
         return outs[0] if len(outs) == 1 else merge_outputs(outs)

@@ -51,6 +51,10 @@ class Sequence:
     # Prompt tokens whose K/V came from the prefix cache when first scheduled.
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding (speculative.py): checks in a row in which every draft was
+    # wrong, and steps left before the sequence drafts again.
+    draft_misses: int = 0
+    draft_pause: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
