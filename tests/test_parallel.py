@@ -60,3 +60,31 @@ def test_packing_is_used_where_the_cpu_has_it():
     # and then keeps only oneDNN's copy, the fastest at every row count.
     assert (column16.packed is not None) == native_bf16_matmul()
     assert column16.weight_t is None
+
+
+@pytest.mark.parametrize(("times", "kept"), [((2.0, 1.0), "packed"), ((1.0, 2.0), "transposed")])
+def test_the_faster_single_row_copy_is_kept_and_computes_the_same(times, kept, monkeypatch):
+    layers = _layers(torch.float32)
+    xs = [torch.randn(1, layer.weight.shape[1]) for layer in layers]
+    expected = [layer(x) for layer, x in zip(layers, xs, strict=True)]
+    for layer in layers:
+        layer.pack()
+    monkeypatch.setattr(parallel, "_time_single_row", lambda sample, rounds: times)
+    assert parallel.keep_faster_single_row_copy(list(layers)) == kept
+    for layer, x, want in zip(layers, xs, expected, strict=True):
+        assert (layer.weight_t is None) == (kept == "packed")
+        assert layer.packed is not None
+        torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=0)
+    # Nothing left to choose between: no copy is dropped twice, nothing is timed.
+    monkeypatch.setattr(parallel, "_time_single_row", lambda sample, rounds: 1 / 0)
+    if kept == "packed":
+        assert parallel.keep_faster_single_row_copy(list(layers)) is None
+
+
+def test_timing_a_single_row_pass_measures_both_copies():
+    layers = _layers(torch.float32)
+    for layer in layers:
+        layer.pack()
+    transposed_s, packed_s = parallel._time_single_row(list(layers), rounds=2)
+    assert transposed_s > 0 and packed_s > 0
+    assert parallel.keep_faster_single_row_copy(list(layers)) in ("packed", "transposed")

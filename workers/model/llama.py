@@ -19,6 +19,7 @@ from workers.model.parallel import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
+    keep_faster_single_row_copy,
 )
 from workers.model.rope import RotaryEmbedding, apply_rope
 
@@ -146,10 +147,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def pack_weights(self) -> None:
-        """Re-lays out every projection for fast CPU matmuls (a no-op elsewhere)."""
-        for module in self.modules():
-            if isinstance(module, PackableLinear):
-                module.pack()
+        """Re-lays out every projection for fast CPU matmuls (a no-op elsewhere), keeping
+        for single rows whichever copy this CPU multiplies faster."""
+        layers = [m for m in self.modules() if isinstance(m, PackableLinear)]
+        for module in layers:
+            module.pack()
+        keep_faster_single_row_copy(layers)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -7,6 +7,8 @@ every collective is a no-op and the layers are plain dense layers.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -14,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 class TensorSlice(Protocol):
@@ -84,14 +88,15 @@ class PackableLinear(nn.Module):
 
     F.linear hands an fp32 weight to MKL's sgemm, which re-packs it into panels on
     every call; at decode batch sizes that repacking costs as much as the math.
-    Measured on the 2-core build machine with weights that do not fit in cache:
-    oneDNN's pre-blocked copy is 1.5-3x faster for 2..64 rows, and for a single
-    row (one decoding sequence) a plain transposed fp32 copy [in, out] streams the
-    weight 1.4x faster than either, so fp32 keeps both copies (twice the weight
-    memory). In bf16 (CPUs with AMX or AVX512-BF16) oneDNN's copy is the fastest
-    at every row count: 2x fp32's at 8-32 rows, 3.5x at 128, and ahead of
-    F.linear in bf16; it is the only copy kept. The plain [out, in] weight is
-    released.
+    Measured on 2-core machines with weights that do not fit in cache: oneDNN's
+    pre-blocked copy is 1.5-3x faster for 2..64 rows. For a single row (one
+    decoding sequence) the faster kernel depends on the CPU: a plain transposed fp32
+    copy [in, out] streamed the weights 1.4x faster than oneDNN on an AVX-512 Xeon,
+    oneDNN 1.3x faster than it on an AVX2 EPYC. So fp32 packs both copies and
+    `keep_faster_single_row_copy` times them once the model is loaded, dropping the
+    slower. In bf16 (CPUs with AMX or AVX512-BF16) oneDNN's copy is the fastest at
+    every row count: 2x fp32's at 8-32 rows, 3.5x at 128, and ahead of F.linear in
+    bf16; it is the only copy kept. The plain [out, in] weight is released.
     """
 
     weight: nn.Parameter | None
@@ -114,6 +119,60 @@ class PackableLinear(nn.Module):
             out = x @ self.weight_t
             return out if bias is None else out + bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+# Weight bytes a timing of one-row matmuls streams: several times any CPU cache, so it
+# measures memory bandwidth as decoding does, and a few passes stay under a second.
+_TIMING_BYTES = 256 * 2**20
+
+
+def keep_faster_single_row_copy(layers: list[PackableLinear], rounds: int = 3) -> str | None:
+    """Times one-row matmuls through the fp32 layers' transposed copies and through
+    oneDNN's packed ones (alternating, best of `rounds`) and drops the slower copy from
+    every layer. Returns the kept kind, "transposed" or "packed"; None when no layer
+    holds both."""
+    both = [m for m in layers if m.packed is not None and m.weight_t is not None]
+    if not both:
+        return None
+    sample, num_bytes = [], 0
+    for m in both:
+        sample.append(m)
+        num_bytes += m.weight_t.numel() * m.weight_t.element_size()
+        if num_bytes >= _TIMING_BYTES:
+            break
+    transposed_s, packed_s = _time_single_row(sample, rounds)
+    keep = "packed" if packed_s < transposed_s else "transposed"
+    log.info(
+        "one-row matmuls over %d MB of weights: transposed %.1f ms, oneDNN packed %.1f ms; "
+        "keeping %s",
+        num_bytes // 2**20,
+        transposed_s * 1e3,
+        packed_s * 1e3,
+        keep,
+    )
+    if keep == "packed":
+        for m in both:
+            m.weight_t = None
+    return keep
+
+
+@torch.inference_mode()
+def _time_single_row(layers: list[PackableLinear], rounds: int) -> tuple[float, float]:
+    """Best seconds of a one-row pass over `layers`: (transposed copies, packed copies)."""
+    rows = [torch.randn(1, m.weight_t.shape[0], dtype=m.weight_t.dtype) for m in layers]
+
+    def one_pass(packed: bool) -> float:
+        start = time.perf_counter()
+        for m, x in zip(layers, rows, strict=True):
+            if packed:
+                torch.ops.mkldnn._linear_pointwise(x, m.packed, None, "none", [], "")
+            else:
+                x @ m.weight_t
+        return time.perf_counter() - start
+
+    one_pass(True), one_pass(False)  # first touches fault pages in
+    times = [(one_pass(False), one_pass(True)) for _ in range(rounds)]
+    return min(t for t, _ in times), min(p for _, p in times)
 
 
 class ColumnParallelLinear(PackableLinear):
