@@ -85,7 +85,7 @@ class PoolConfig(_Frozen):
     # its KV cache); beyond it, further pulls wait for imports.
     max_pulled_kv_bytes: int | None = Field(None, ge=1)
     # N-gram speculative decoding: up to this many drafted tokens per sequence and step,
-    # checked in one step while at most 4 sequences decode (workers/engine/speculative.py;
+    # checked in one step while at most 4 sequences run (workers/engine/speculative.py;
     # greedy output unchanged). 0 turns it off. A prefill replica ignores it.
     speculative_tokens: int = Field(0, ge=0, le=16)
 

@@ -62,7 +62,10 @@ def test_packing_is_used_where_the_cpu_has_it():
     assert column16.weight_t is None
 
 
-@pytest.mark.parametrize(("times", "kept"), [((2.0, 1.0), "packed"), ((1.0, 2.0), "transposed")])
+@pytest.mark.parametrize(
+    ("times", "kept"),
+    [((2.0, 1.0), "packed"), ((1.0, 2.0), "transposed"), ((1.0, 0.95), "transposed")],
+)
 def test_the_faster_single_row_copy_is_kept_and_computes_the_same(times, kept, monkeypatch):
     layers = _layers(torch.float32)
     xs = [torch.randn(1, layer.weight.shape[1]) for layer in layers]

@@ -28,31 +28,40 @@ def test_drafts_follow_the_decode_token():
     _check_invariants(sched)
 
 
-def test_the_token_budget_trims_drafts_and_comes_first_for_decodes():
+def test_drafts_get_only_the_budget_everyone_s_own_tokens_leave():
     sched = _scheduler(num_blocks=16, block_size=4, budget=4)
     a, b = _seq("a", 2, max_tokens=8), _seq("b", 2, max_tokens=8)
     _decoding(sched, a, b)
     out = sched.schedule({a: [1, 2, 3, 4], b: [1, 2]})
-    # a's own token and 2 drafts, then b's own token: the budget of 4 is spent.
+    # Both decodes' own tokens first (2 of 4), then a's drafts from the rest.
     assert _ids(out) == [("a", 3), ("b", 1)]
     assert [s.draft_token_ids for s in out.scheduled] == [(1, 2), ()]
 
 
-def test_drafts_are_dropped_rather_than_taking_a_block_someone_needs():
-    # 4 blocks of 4: a and b hold 1 each (3 tokens + their next); 2 are free.
-    sched = _scheduler(num_blocks=4, block_size=4)
-    a, b = _seq("a", 3, max_tokens=8), _seq("b", 3, max_tokens=8)
-    _decoding(sched, a, b)
-    # 3 + 1 + 8 drafts would take both free blocks: none would be left for b.
+def test_drafts_get_only_the_blocks_everyone_s_own_tokens_leave():
+    # 8 blocks of 4. Step 1: a's 3-token prompt (1 block) and 17 of b's 24 (5 blocks).
+    sched = _scheduler(num_blocks=8, block_size=4, budget=20)
+    a, b = _seq("a", 3, max_tokens=8), _seq("b", 24, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    _step(sched)
+    assert a.num_uncomputed_tokens == 1 and b.num_uncomputed_tokens == 7
+    assert sched.kv.num_free_blocks == 2
+    # a comes first, but b's prefill chunk takes the block it needs before a's drafts
+    # take the last one: 4 of a's 8 drafts fit, and nobody is preempted.
     out = sched.schedule({a: list(range(8))})
-    assert _ids(out) == [("a", 1), ("b", 1)]
-    assert out.preempted == [] and out.scheduled[0].draft_token_ids == ()
+    assert out.preempted == []
+    assert _ids(out) == [("a", 5), ("b", 7)]
+    assert out.scheduled[0].draft_token_ids == (0, 1, 2, 3)
+    assert sched.kv.num_free_blocks == 0
     _check_invariants(sched)
-    # 3 drafts take one block and leave one for b (the last sequence: it may take both).
-    sched = _scheduler(num_blocks=4, block_size=4)
-    a, b = _seq("a", 3, max_tokens=8), _seq("b", 3, max_tokens=8)
+
+
+def test_no_drafts_in_a_step_that_preempts():
+    # 2 blocks of 4: a and b each cross into a second block; b, the newest, is preempted.
+    sched = _scheduler(num_blocks=3, block_size=4)
+    a, b = _seq("a", 4, max_tokens=8), _seq("b", 4, max_tokens=8)
     _decoding(sched, a, b)
-    out = sched.schedule({a: [1, 2, 3], b: list(range(8))})
-    assert _ids(out) == [("a", 4), ("b", 1)] and out.preempted == []
-    assert sched.kv.num_free_blocks == 1  # b's 8 drafts would need 2 more
-    _check_invariants(sched)
+    out = sched.schedule({a: [1, 2], b: [1, 2]})
+    assert out.preempted == [b]
+    assert [s.draft_token_ids for s in out.scheduled] == [()]

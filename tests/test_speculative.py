@@ -194,30 +194,48 @@ def test_output_never_passes_max_tokens_or_a_stop(model_dir):
     for max_tokens in (1, 2, 3, 7):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         assert len(_run(engine, [prompt], params)[0].output_token_ids) == max_tokens
-    free = _run(_engine(model_dir, speculative=None), [prompt])[0].output_token_ids
-    # A token that repeats, so that some step drafts it and accepts it: the output
-    # must end right there, even with drafts after it in the same step.
-    stop = next(t for i, t in enumerate(free) if t in free[:i] and i > 4)
-    params = SamplingParams(**{**vars(GREEDY), "stop_token_ids": [stop]})
-    seq = _run(engine, [prompt], params)[0]
-    assert seq.output_token_ids == free[: free.index(stop) + 1]
-    assert seq.finish_reason is FinishReason.STOP
+    # Each token of each output as a stop token: the output ends at its first occurrence,
+    # also where that is a draft accepted in a step that had more drafts after it.
+    inside_a_step = 0
+    for prompt in random_prompts(4):
+        free = _run(_engine(model_dir, speculative=None), [prompt])[0].output_token_ids
+        for stop in sorted(set(free)):
+            params = SamplingParams(**{**vars(GREEDY), "stop_token_ids": [stop]})
+            engine.add_request("r", prompt, params)
+            outs = []
+            while engine.has_unfinished():
+                outs += engine.step()
+            assert [t for o in outs for t in o.new_token_ids] == free[: free.index(stop) + 1]
+            assert outs[-1].finish_reason is FinishReason.STOP
+            inside_a_step += len(outs[-1].new_token_ids) > 1
+    assert inside_a_step > 0
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
 def test_stop_strings_and_text_are_unchanged(model_dir):
+    """A stop string may end the output at a draft the model accepted, with more drafts
+    after it in the same step: nothing past it is kept."""
     plain = _engine(model_dir, speculative=None)
-    prompt = plain.tokenizer.encode("stop strings")
-    full = _run(plain, [prompt])[0].detokenizer.text
-    stop = full[20:23]
-    params = SamplingParams(**{**vars(GREEDY), "stop": [stop]})
-    want = _run(plain, [prompt], params)[0]
     engine = _engine(model_dir)
-    texts = []
-    engine.add_request("r", prompt, params)
-    while engine.has_unfinished():
-        texts += [o.new_text for o in engine.step()]
-    assert "".join(texts) == want.detokenizer.text == full[: full.index(stop)]
+    mid_step = 0
+    for prompt in random_prompts(2):
+        full = _run(plain, [prompt])[0].detokenizer.text
+        for k in range(0, len(full) - 3, 2):
+            params = SamplingParams(**{**vars(GREEDY), "stop": [full[k : k + 3]]})
+            want = _run(plain, [prompt], params)[0]
+            engine.add_request("r", prompt, params)
+            outs, accepted = [], engine.stats().num_accepted_draft_tokens
+            while engine.has_unfinished():
+                before = engine.stats().num_accepted_draft_tokens
+                outs += engine.step()
+                accepted = engine.stats().num_accepted_draft_tokens - before
+            assert [t for o in outs for t in o.new_token_ids] == want.output_token_ids
+            assert "".join(o.new_text for o in outs) == want.detokenizer.text
+            assert outs[-1].finish_reason is want.finish_reason
+            # The last step's drafts taken outnumber the tokens it kept, less its own.
+            mid_step += accepted >= len(outs[-1].new_token_ids)
+    assert mid_step > 0
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
 def test_preemption_with_drafts_completes_everything_alike(model_dir):
@@ -247,12 +265,34 @@ def test_prefix_cache_holds_only_accepted_tokens(model_dir):
     assert cached.output_token_ids == fresh[0].output_token_ids
 
 
-def test_seeded_sampling_with_drafts_is_reproducible(model_dir):
-    prompts = random_prompts(2)
-    seeded = SamplingParams(max_tokens=30, temperature=0.8, top_k=5, seed=7, ignore_eos=True)
-    runs = [[s.output_token_ids for s in _run(_engine(model_dir), prompts, seeded)] for _ in "ab"]
-    assert runs[0] == runs[1]
-    assert all(len(out) == 30 for out in runs[0])
+def test_seeded_sampling_gives_the_tokens_it_gets_without_speculation(model_dir):
+    """A seeded request's generator ends each step as if only its kept rows had drawn, so
+    its tokens do not depend on speculation, nor on what else shares its batch."""
+    prompts = random_prompts(6)
+    seeded = SamplingParams(max_tokens=30, temperature=0.1, top_k=5, seed=7, ignore_eos=True)
+    want = _run(_engine(model_dir, speculative=None), prompts[:1], seeded)[0].output_token_ids
+    engine = _engine(model_dir)
+    assert _run(engine, prompts[:1], seeded)[0].output_token_ids == want
+    stats = engine.stats()
+    # Both kinds of step happened: drafts taken, and drafts refused (rows discarded).
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    # In a batch of 6 that speculates only while at most 3 run.
+    others = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
+    busy = _engine(model_dir, speculative=SpeculativeConfig(max_running=3))
+    assert _run(busy, prompts, [seeded] + [others] * 5)[0].output_token_ids == want
+
+
+def test_a_sequence_holds_no_blocks_past_its_tokens_between_steps(model_dir):
+    engine = _engine(model_dir, num_kv_blocks=64, block_size=4)
+    for i, prompt in enumerate(random_prompts(3)):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) <= engine.kv.blocks_for_tokens(seq.num_tokens)
+    stats = engine.stats()
+    assert stats.num_accepted_draft_tokens < stats.num_draft_tokens  # some were refused
+    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 def test_abort_mid_speculation_frees_everything(model_dir):

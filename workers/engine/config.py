@@ -16,9 +16,10 @@ class SpeculativeConfig:
     """N-gram speculative decoding (prompt lookup, workers/engine/speculative.py): each
     decoding sequence drafts up to `num_tokens` tokens that followed the latest earlier
     occurrence of its last `lookup_max`..`lookup_min` tokens, and one step checks them all.
-    Greedy output is unchanged; sampled output keeps its distribution. It pays where a
-    step is bound by reading the weights (few sequences), so it runs only while at most
-    `max_running` sequences do: past that a step is bound by compute, which drafts add to.
+    Greedy and seeded output are unchanged; sampled output keeps its distribution. It
+    pays where a step is bound by reading the weights (few sequences), so it runs only
+    while at most `max_running` sequences do: past that a step is bound by compute,
+    which drafts add to.
     """
 
     num_tokens: int = 4

@@ -247,24 +247,22 @@ class LLMEngine:
     def _accept(
         self, s: ScheduledSequence, picked: list[tuple[int, TokenLogprob | None]], now: float
     ) -> RequestOutput:
-        """Appends a sampling sequence's tokens of this step: the first one, and after
-        each draft the model agreed with (its K/V, computed this step, stays), the next."""
+        """Appends a sampling sequence's picks of this step (sample_with_drafts): each but
+        the last equals the draft at its position, whose K/V, computed this step, stays."""
         seq, drafts = s.seq, s.draft_token_ids
         outs = []
-        accepted = 0
         for j, (token, logprob) in enumerate(picked):
             outs.append(self._append_token(seq, token, logprob, now))
-            if j == len(drafts) or token != drafts[j]:
-                break
-            accepted += 1
-            if outs[-1].finished:
+            if outs[-1].finished or j == len(picked) - 1:
                 break
             seq.num_computed_tokens += 1
+            # Now, while seq still holds its blocks: its next token may finish it.
+            self.kv.commit_computed_blocks(seq)
         self._num_generated += len(outs)
         if drafts:
-            self.speculator.record(seq, len(drafts), accepted)
+            self.speculator.record(seq, len(drafts), len(picked) - 1)
             if not seq.finished:
-                self.kv.commit_computed_blocks(seq)
+                self.kv.trim(seq)
         return outs[0] if len(outs) == 1 else merge_outputs(outs)
 
     @staticmethod

@@ -99,19 +99,23 @@ class KVCacheManager:
         seq.num_committed_blocks = len(blocks)
         seq.num_computed_tokens = len(blocks) * self.block_size
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks `allocate(seq, num_new_tokens)` would take from the pool."""
-        total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
-        return max(total - len(seq.block_table), 0)
-
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grows `seq`'s block table to hold `num_new_tokens` more; False if the pool is short."""
-        needed = self.blocks_needed(seq, num_new_tokens)
+        needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(
+            seq.block_table
+        )
         if needed > self.pool.num_free:
             return False
         if needed > 0:
             seq.block_table.extend(self.pool.allocate(needed))
         return True
+
+    def trim(self, seq: Sequence) -> None:
+        """Frees the blocks `seq` holds past its known tokens (slots of rejected drafts)."""
+        keep = self.blocks_for_tokens(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[keep:][::-1])
+            del seq.block_table[keep:]
 
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Registers the blocks `seq` has filled completely since the last call.

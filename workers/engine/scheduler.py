@@ -78,29 +78,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, drafts: Mapping[Sequence, list[int]] | None = None) -> SchedulerOutput:
-        """This step's work. `drafts`: speculated tokens of decoding sequences, scheduled
-        after their own token as far as the budget and free blocks allow, never at the
-        cost of a preemption."""
+        """This step's work. `drafts`: speculated tokens of decoding sequences, added
+        after their own token from what budget and free blocks the step's own work
+        leaves, so speculation never costs a sequence its place."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        drafts = drafts or {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            # Drafts never take a token, or a block, that a running sequence after this
-            # one may need for its own next token.
-            later = len(self.running) - i - 1
-            guess = tuple(drafts.get(seq, ())[: max(budget - n - later, 0)])
-            if guess and (
-                self.kv.blocks_needed(seq, n + len(guess)) + later <= self.kv.num_free_blocks
-            ):
-                self.kv.allocate(seq, n + len(guess))
-                out.scheduled.append(ScheduledSequence(seq, n + len(guess), guess))
-                budget -= n + len(guess)
-                i += 1
-                continue
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -131,7 +118,29 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
+        if drafts and not out.preempted:  # a pool short of blocks has none to guess with
+            self._add_drafts(out, drafts, budget)
         return out
+
+    def _add_drafts(
+        self, out: SchedulerOutput, drafts: Mapping[Sequence, list[int]], budget: int
+    ) -> None:
+        block_size = self.kv.block_size
+        for k, s in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            seq = s.seq
+            # Slots left in the blocks seq holds and in the free ones, past this step's token.
+            room = (len(seq.block_table) + self.kv.num_free_blocks) * block_size - (
+                seq.num_computed_tokens + s.num_new_tokens
+            )
+            guess = tuple(drafts.get(seq, ())[: min(budget, room)])
+            if not guess:
+                continue
+            if not self.kv.allocate(seq, s.num_new_tokens + len(guess)):
+                raise RuntimeError(f"{seq.request_id}: drafts that fit did not get blocks")
+            out.scheduled[k] = ScheduledSequence(seq, s.num_new_tokens + len(guess), guess)
+            budget -= len(guess)
 
     def add_running(self, seq: Sequence) -> None:
         """Takes a sequence whose blocks are filled already (a KV import) straight to running."""

@@ -10,9 +10,10 @@ model's own choice there). A step thus yields 1 to `num_tokens + 1` tokens per s
 for about the price of one while a step is bound by reading the weights.
 
 Every kept token is sampled from the model's distribution given the tokens before it,
-with the request's own parameters and history, so greedy output is exactly what it is
-without speculation. A seeded request stays reproducible, but its random draws fall
-differently than without speculation (the rows of rejected drafts use some).
+with the request's own parameters and history, so greedy output is what it is without
+speculation (up to float rounding: the rows are computed by multi-row kernels). A seeded
+request's generator is rewound past the rows it did not keep, so its tokens are the ones
+it gets without speculation too.
 """
 
 from __future__ import annotations
@@ -123,8 +124,18 @@ def sample_with_drafts(
 ) -> list[list[tuple[int, TokenLogprob | None]]]:
     """Samples a step's logits: one row per sequence and per draft it carries, each with
     the history its position would have if the drafts before it are accepted. Returns
-    each sequence's (token, logprob) picks in position order."""
+    each sequence's (token, logprob) picks in position order, up to and including the
+    first that differs from its draft.
+
+    A seeded request's generator ends as if only the kept rows had drawn (each random
+    row draws once, in order), so its tokens are the ones it gets without speculation,
+    in any batch."""
     rows = [(seq, drafts[:j]) for seq, drafts in sequences for j in range(len(drafts) + 1)]
+    seeded = {
+        id(seq): seq.generator.get_state()
+        for seq, drafts in sequences
+        if drafts and seq.generator is not None and not seq.params.greedy
+    }
     result = sample(
         logits,
         [seq.params for seq, _ in rows],
@@ -140,4 +151,13 @@ def sample_with_drafts(
         eos_token_ids,
     )
     picked = iter(zip(result.token_ids, result.logprobs, strict=True))
-    return [[next(picked) for _ in range(len(drafts) + 1)] for _, drafts in sequences]
+    picks = []
+    for seq, drafts in sequences:
+        mine = [next(picked) for _ in range(len(drafts) + 1)]
+        kept = next((j + 1 for j, d in enumerate(drafts) if mine[j][0] != d), len(mine))
+        if id(seq) in seeded and kept < len(mine):
+            seq.generator.set_state(seeded[id(seq)])
+            for _ in range(kept):
+                torch.empty(logits.shape[1]).exponential_(generator=seq.generator)
+        picks.append(mine[:kept])
+    return picks
