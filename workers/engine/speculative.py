@@ -158,6 +158,8 @@ def sample_with_drafts(
         if id(seq) in seeded and kept < len(mine):
             seq.generator.set_state(seeded[id(seq)])
             for _ in range(kept):
-                torch.empty(logits.shape[1]).exponential_(generator=seq.generator)
+                torch.empty(logits.shape[1], dtype=torch.float32).exponential_(
+                    generator=seq.generator
+                )
         picks.append(mine[:kept])
     return picks
