@@ -227,7 +227,7 @@ class LLMEngine:
         logits = self.runner.execute(StepInput([self._chunk(s) for s in scheduled]))
         for s in scheduled:
             # Drafts count as computed only once accepted (_accept).
-            s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids)
+            s.seq.num_computed_tokens += s.num_own_tokens
             self.kv.commit_computed_blocks(s.seq)
         self._num_steps += 1
         if not sampling:
@@ -268,9 +268,8 @@ class LLMEngine:
     @staticmethod
     def _chunk(s: ScheduledSequence) -> SeqChunk:
         start = s.seq.num_computed_tokens
-        own = s.num_new_tokens - len(s.draft_token_ids)
         return SeqChunk(
-            s.seq.token_ids(start, start + own) + list(s.draft_token_ids),
+            s.seq.token_ids(start, start + s.num_own_tokens) + list(s.draft_token_ids),
             start,
             s.seq.block_table,
             s.samples,

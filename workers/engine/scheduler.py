@@ -43,10 +43,14 @@ class ScheduledSequence:
     draft_token_ids: tuple[int, ...] = ()
 
     @property
+    def num_own_tokens(self) -> int:
+        """The sequence's own tokens this step computes (drafts excluded)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
+
+    @property
     def samples(self) -> bool:
         """True when this step reaches the sequence's last token, so it yields logits."""
-        own = self.num_new_tokens - len(self.draft_token_ids)
-        return self.seq.num_computed_tokens + own == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_own_tokens == self.seq.num_tokens
 
 
 @dataclass
