@@ -1,11 +1,12 @@
 """The service against the in-process engine, in one run: what serving costs.
 
 Runs 8 and 32 concurrent streams of 128 new tokens each, round by round: the in-process
-`AsyncEngine`, then each service through Serve's gRPC proxy. Prints aggregate tokens/s,
+`AsyncEngine`, then each service through Serve's gRPC ingress. Prints aggregate tokens/s,
 TTFT p50/p99 and inter-token latency p50/p99 per system and concurrency, the CPU the
-router and Serve's proxy spend per streamed message (`*_cpu_ms_per_msg`),
-ratio.*.{agg,disagg}_over_engine, and, per KV transport, the handoff time of a
-512-token prompt next to its prefill time (ratio.handoff_over_prefill_512.<transport>).
+router and Serve's ingress ("proxy": HAProxy and its manager, or a Python proxy) spend
+per streamed message (`*_cpu_ms_per_msg`), ratio.*.{agg,disagg}_over_engine, and, per
+KV transport, the handoff time of a 512-token prompt next to its prefill time
+(ratio.handoff_over_prefill_512.<transport>).
 
 Each service is deployed for its own turn and deleted after it, so it shares the
 machine only with what it brings: an idle replica is not free (Serve's health checks,
@@ -19,8 +20,8 @@ Serve's inter-deployment gRPC (AppConfig.output_channel), for comparison.
 The services run twice: streaming every token (stream_interval 1, the default: "agg",
 "disagg") and every `--stream-interval` tokens after the first ("agg_si<N>",
 "disagg_si<N>"), the setting that trades smooth streams for less CPU per token on the
-serving path (the router -> proxy hop, one Serve stream item per message; the engine ->
-router hop carries one message per engine step whatever the setting).
+serving path (the router -> client hop, one gRPC message per stream and message; the
+engine -> router hop carries one message per engine step whatever the setting).
 
     .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 2] [--decode-threads 2]
         [--stream-interval 4] [--dtype float32]
@@ -102,16 +103,24 @@ async def engine_run(engine: AsyncEngine, prompts: list[list[int]]) -> dict[str,
 
 
 def serving_cpu_s() -> dict[str, float]:
-    """CPU seconds used so far by this node's Serve router replicas and proxy (from /proc:
-    the serving path's own cost, which a throughput figure on a shared, noisy VM hides)."""
+    """CPU seconds used so far by this node's Serve router replicas and Serve's ingress
+    ("proxy": HAProxy, the actor that runs it and any Python proxy), from /proc: the
+    serving path's own cost, which a throughput figure on a shared, noisy VM hides."""
     raylet = node_drain.raylets()[ray.get_runtime_context().get_node_id()]
     used = {"router": 0.0, "proxy": 0.0}
+
+    def cpu_s(pid: int) -> float:
+        fields = node_drain.stat_fields(pid)  # utime + stime, in clock ticks
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
     for pid in node_drain.serving_processes(raylet):
         command = " ".join(node_drain.cmdline(pid))
-        kind = "proxy" if "ProxyActor" in command else "router" if ":Router" in command else None
-        fields = node_drain.stat_fields(pid)
-        if kind and fields:  # utime + stime, in clock ticks
-            used[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if "ProxyActor" in command:
+            used["proxy"] += cpu_s(pid)
+        elif "HAProxyManager" in command:  # HAProxy runs as its child
+            used["proxy"] += cpu_s(pid) + sum(cpu_s(c) for c in node_drain.children(pid))
+        elif ":Router" in command:
+            used["router"] += cpu_s(pid)
     return used
 
 
@@ -314,6 +323,9 @@ def main() -> None:
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Deleting an application waits this long for its router (Serve's direct ingress) to
+    # drain, 30 s by default; HAProxy runs beside it here. Ray's processes inherit it.
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
     asyncio.run(main_async(parser.parse_args()))
 
 

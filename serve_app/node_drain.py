@@ -7,17 +7,18 @@ terminationGracePeriodSeconds have passed. A bare `ray stop` there ends every st
 pod's replica is serving. Draining the Ray node first, the GCS call Ray's autoscaler
 makes before it removes a node, lets Serve migrate the node's replicas: it starts a
 replacement elsewhere, routes new requests to it, and stops the old replica gracefully
-(each pool's `graceful_shutdown_timeout_s`), so streams in flight finish. Serve's proxy
-on the node drains too, once the streams it carries end. `drain` asks for that and then
-waits until no Serve replica or proxy process is left on the node (or its raylet has
-exited), or until the deadline; the hook stops Ray after it either way. (The raylet's
-own exit is no signal to wait for: a drained node with nothing left to serve may stay
-up until it is killed.)
+(each pool's `graceful_shutdown_timeout_s`), so streams in flight finish. Serve's
+ingress on the node (its HAProxy, or its Python proxy) drains too, once the streams it
+carries end. `drain` asks for that and then waits until no Serve replica or ingress
+process is left on the node (or its raylet has exited), or until the deadline; the
+hook stops Ray after it either way. (The raylet's own exit is no signal to wait for: a
+drained node with nothing left to serve may stay up until it is killed.)
 
 The node's raylet is found in /proc: it carries its node id on its command line, and
 Ray's workers are its children (titled `ray::ServeReplica:...` when they host a replica,
-`ray::ProxyActor` for the proxy). That needs no dashboard and no connection to the
-cluster, and on a pod (one raylet) no node id either.
+`ray::HAProxyManager` for the actor that runs the node's HAProxy, `ray::ProxyActor` for
+a Python proxy). That needs no dashboard and no connection to the cluster, and on a
+pod (one raylet) no node id either.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SERVING_TITLES = ("ray::ServeReplica:", "ray::ProxyActor")
+SERVING_TITLES = ("ray::ServeReplica:", "ray::HAProxyManager", "ray::ProxyActor")
 # `ray drain-node` only starts a CLI and makes one GCS call; an unreachable GCS (the head
 # already gone) would hold the hook for about 40 s.
 _DRAIN_CALL_TIMEOUT_S = 15.0
@@ -38,7 +39,7 @@ _PROC = Path("/proc")
 @dataclass(frozen=True)
 class DrainResult:
     node_id: str
-    serving_left: int  # Serve replica and proxy processes left when `drain` returned
+    serving_left: int  # Serve replica and ingress processes left when `drain` returned
     waited_s: float
 
     @property
@@ -86,13 +87,15 @@ def raylets() -> dict[str, int]:
     return found
 
 
+def children(pid: int) -> list[int]:
+    return [child for child in _pids() if _parent(child) == pid]
+
+
 def serving_processes(raylet_pid: int) -> list[int]:
-    """The Serve replica and proxy processes a raylet started (Ray's workers are its
+    """The Serve replica and ingress processes a raylet started (Ray's workers are its
     children)."""
     return [
-        pid
-        for pid in _pids()
-        if _parent(pid) == raylet_pid and " ".join(cmdline(pid)).startswith(SERVING_TITLES)
+        pid for pid in children(raylet_pid) if " ".join(cmdline(pid)).startswith(SERVING_TITLES)
     ]
 
 
@@ -158,7 +161,7 @@ def drain(
     poll_s: float = 1.0,
 ) -> DrainResult:
     """Drains the node (default: this machine's only one) and waits, until `deadline_s`
-    after the call, for Serve to move its replicas away and retire its proxy.
+    after the call, for Serve to move its replicas away and retire its ingress.
     ConnectionError (and no wait) when Ray refuses or does not answer the drain."""
     if deadline_s < 1:
         raise ValueError(f"deadline_s must be >= 1 second, got {deadline_s}")

@@ -33,6 +33,11 @@ LOCAL_HEAD_MIN_CPUS = 8
 # A Ray resource only heads that `baton serve` started offer: `baton stop` stops those
 # and leaves any other cluster running.
 LOCAL_HEAD_RESOURCE = "baton_local_head"
+# Defaults of the local head's environment, where the caller's does not set them. A
+# stopping router keeps serving Serve's direct-ingress draining period (30 s by default)
+# for HAProxy on other nodes to drop it; on one machine HAProxy drops it at once, and the
+# default would only make `baton stop` wait.
+LOCAL_HEAD_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 # How long `deploy` waits for the application to run. Serve itself waits for ever and
 # keeps retrying a replica it cannot place (or whose engine cannot start), so an
 # unplaceable pool would otherwise hang `baton serve` / `baton scale` silently.
@@ -71,6 +76,7 @@ def connect(address: str | None = None, start_if_missing: bool = False) -> None:
             "--disable-usage-stats",
         ],
         check=True,
+        env={**LOCAL_HEAD_ENV, **os.environ},
         # The daemons it leaves behind inherit these: a pipe would never reach EOF.
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -78,8 +84,13 @@ def connect(address: str | None = None, start_if_missing: bool = False) -> None:
     ray.init(address="auto", **kwargs)
 
 
-# Environment of the Serve controller and, by inheritance, its proxies.
-SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+# Environment of the Serve controller and, by inheritance, its proxies and replicas.
+# RAY_SERVE_ENABLE_HA_PROXY: each node's ingress (8000/9000) is Serve's HAProxy, which
+# hands every call to a router replica's own HTTP or gRPC server (Serve's direct
+# ingress), so no Python proxy handles each streamed message; RAY_SERVE_PROXY_USE_GRPC:
+# where a Python proxy still serves (Serve's fallback), it reaches the routers over
+# Serve's inter-deployment gRPC. ARCHITECTURE.md, "Serving overhead", has the figures.
+SERVE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 
 def deploy(
@@ -104,10 +115,8 @@ def deploy(
             "port": grpc_port,
             "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
         },
-        # Serve's proxies, started by its controller, pass requests and streamed messages
-        # to the routers over Serve's inter-deployment gRPC rather than Ray actor calls:
-        # about half the proxy's CPU per streamed message (ARCHITECTURE.md, "Serving
-        # overhead"). Applies where this call starts Serve; the Helm chart sets it on pods.
+        # Serve's ingress per SERVE_ENV. Applies where this call starts Serve; the Helm
+        # chart sets the same variables on its pods.
         controller_options={"runtime_env": {"env_vars": dict(SERVE_ENV)}},
     )
     _run_within(app, app_name, route_prefix, timeout_s)

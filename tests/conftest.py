@@ -16,6 +16,11 @@ import pytest
 # everything needed is local). huggingface_hub reads this once at import, so it is set here,
 # before any test module imports transformers.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Serve keeps a router replica (its direct ingress) serving this long after it is told to
+# stop, for load balancers on other nodes to drop it (30 s by default). Here HAProxy runs
+# beside it, and every module's Serve shutdown would wait that long. Ray's processes,
+# `baton serve`'s included, inherit it from the test process.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
 
 # Kept small enough that writing + converting one takes milliseconds.
 TINY = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 96, "ctx": 128}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 
+import pytest
 from helm_chart_helpers import (
     MODEL_VOLUME,
     _groups,
@@ -61,11 +62,13 @@ def test_every_ray_container_gets_serves_environment_then_the_values_env(chart, 
         assert container["env"] == serve_env + merged["env"], role
 
 
-def test_the_values_env_may_set_serves_proxy_channel_itself(chart):
-    own = [{"name": "RAY_SERVE_PROXY_USE_GRPC", "value": "0"}]
+@pytest.mark.parametrize("name", sorted(SERVE_ENV))
+def test_the_values_env_may_set_each_of_serves_variables_itself(chart, name):
+    own = [{"name": name, "value": "0"}]
+    rest = [{"name": n, "value": v} for n, v in SERVE_ENV.items() if n != name]
     for role, pod in _pods(_rayservice(_render(chart, {"env": own}))).items():
         (container,) = pod["containers"]
-        assert container["env"] == own, role
+        assert container["env"] == rest + own, role
 
 
 @value_sets

@@ -159,12 +159,14 @@ def test_health_check_and_server_reflection(service):
         health.Check(health_pb2.HealthCheckRequest(service="nope.Service"), metadata=meta)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
+    # With one application (`baton serve`'s case) a call needs no metadata; here two share
+    # the ingress, which routes every call, reflection's too, by its `application`.
     reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
     asks = [
         reflection_pb2.ServerReflectionRequest(list_services=""),
         reflection_pb2.ServerReflectionRequest(file_containing_symbol="baton.v1.Baton"),
     ]
-    listed, described = list(reflection.ServerReflectionInfo(iter(asks)))
+    listed, described = list(reflection.ServerReflectionInfo(iter(asks), metadata=meta))
     names = {s.name for s in listed.list_services_response.service}
     assert {"baton.v1.Baton", "grpc.health.v1.Health"} <= names
     assert described.file_descriptor_response.file_descriptor_proto

@@ -14,6 +14,7 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ray import serve
 from service_helpers import KV, _scrape
 
@@ -177,3 +178,18 @@ def test_the_router_counts_client_requests_not_choices(keyed, ray_metrics_port):
     while (found := totals()) != expected:
         assert time.monotonic() < deadline, found
         time.sleep(2)
+
+
+def test_a_generic_client_needs_neither_key_nor_metadata_for_health_and_reflection(keyed):
+    # grpcurl's defaults: one application behind the ingress takes every call.
+    with grpc.insecure_channel(keyed["grpc"]) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="baton.v1.Baton")
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        (listed,) = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([ask])
+        )
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"baton.v1.Baton", "grpc.health.v1.Health"} <= names

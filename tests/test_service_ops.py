@@ -132,3 +132,28 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     assert stopped == service_ops.Stopped(app_deleted=False, apps_left=(), local_head=False)
     assert not stopped.serve_shut_down
     assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 16
+
+
+@pytest.mark.parametrize("own", [None, "45"])
+def test_the_local_head_drains_routers_briefly_unless_told_otherwise(monkeypatch, own):
+    # No cluster to join: connect starts `ray start --head` (recorded here, not run).
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    name = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+    monkeypatch.delenv(name, raising=False)
+    if own is not None:
+        monkeypatch.setenv(name, own)
+    joins, starts = [], []
+
+    def init(address, **kwargs):
+        joins.append(address)
+        if len(joins) == 1:
+            raise ConnectionError("no cluster")
+
+    monkeypatch.setattr(service_ops.ray, "init", init)
+    monkeypatch.setattr(
+        service_ops.subprocess, "run", lambda argv, **kwargs: starts.append((argv, kwargs))
+    )
+    service_ops.connect(start_if_missing=True)
+    ((argv, kwargs),) = starts
+    assert argv[1:3] == ["start", "--head"] and joins == ["auto", "auto"]
+    assert kwargs["env"][name] == (own or service_ops.LOCAL_HEAD_ENV[name])

@@ -266,17 +266,19 @@ resources, preStop): preStop is the shell command the container runs before it s
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- /* Serve's proxies reach the routers over Serve's inter-deployment gRPC, as
-  serve_app.service_ops.SERVE_ENV sets where `baton serve` starts Serve, unless
-  values.env names the variable itself. */}}
+  {{- /* Serve's ingress settings, as serve_app.service_ops.SERVE_ENV sets them where
+  `baton serve` starts Serve (HAProxy in front of the routers' own servers; a Python
+  proxy, where one serves, reaching them over gRPC), each unless values.env names it. */}}
   {{- $env := .root.Values.env | default list }}
-  {{- $own := true }}
-  {{- range $env }}
-  {{- if eq .name "RAY_SERVE_PROXY_USE_GRPC" }}{{- $own = false }}{{- end }}
+  {{- $named := dict }}
+  {{- range $env }}{{- $_ := set $named .name true }}{{- end }}
+  {{- $serve := list }}
+  {{- range $name := list "RAY_SERVE_ENABLE_HA_PROXY" "RAY_SERVE_PROXY_USE_GRPC" }}
+  {{- if not (hasKey $named $name) }}
+  {{- $serve = append $serve (dict "name" $name "value" "1") }}
   {{- end }}
-  {{- if $own }}
-  {{- $env = prepend $env (dict "name" "RAY_SERVE_PROXY_USE_GRPC" "value" "1") }}
   {{- end }}
+  {{- $env = concat $serve $env }}
   env:
     {{- toYaml $env | nindent 4 }}
   {{- $mounts := .root.Values.volumeMounts | default list }}
