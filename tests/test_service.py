@@ -270,11 +270,20 @@ def test_a_prefix_decode_holds_is_not_transferred_again(disagg):
     assert _decode_stats()["handoff"]["blocks_received"] == after["blocks_received"]
 
 
+def test_a_grpc_stream_cancelled_mid_stream_stops_generating_and_frees_its_blocks(disagg):
+    _wait_all_blocks_free()
+    before = _decode_stats()["engine"]["num_generated_tokens"]
+    stream = disagg.generate(_greedy("Count to a thousand:", max_tokens=400, ignore_eos=True))
+    for _, _ in zip(range(3), stream, strict=False):
+        pass
+    stream.cancel()
+    _wait_all_blocks_free()
+    # Cancelled, not run to max_tokens: the cancel reached the decode engine.
+    assert _decode_stats()["engine"]["num_generated_tokens"] - before < 400
+
+
 def test_exports_free_at_import_and_cancels_and_deadlines_free_the_blocks(service, disagg):
-    # Mid-stream, over HTTP: the openai client closes its SSE stream. (Serve 2.60's gRPC
-    # proxy loses a streaming call's cancel when the client leaves while the proxy is
-    # writing to it: `send_request_to_replica` catches the GeneratorExit and yields
-    # again, so the request runs to max_tokens. See ARCHITECTURE.md.)
+    # Mid-stream, over HTTP: the openai client closes its SSE stream.
     client = openai.OpenAI(base_url=f"{service['http']}/disagg/v1", api_key="unused")
     (model,) = [m.id for m in client.models.list()]
     stream = client.completions.create(
