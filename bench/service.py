@@ -15,7 +15,9 @@ applications beside the one measured took about 23% of this 2-core machine. The
 in-process engine runs while no application is deployed.
 
 "agg_actor_call" is "agg" with the router's pool calls as Ray actor calls rather than
-Serve's inter-deployment gRPC (AppConfig.output_channel), for comparison.
+Serve's inter-deployment gRPC (AppConfig.output_channel), and "agg_python_proxy" is
+"agg" behind Serve's Python proxy rather than its HAProxy (the ingress before HAProxy),
+for comparison.
 
 The services run twice: streaming every token (stream_interval 1, the default: "agg",
 "disagg") and every `--stream-interval` tokens after the first ("agg_si<N>",
@@ -53,6 +55,7 @@ from serve_app import node_drain, service_ops
 from serve_app.config import TRANSPORTS, AppConfig, PoolConfig
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.grpc_api import baton_pb2_grpc as pb_grpc
+from serve_app.serve_config import GRPC_SERVICER_FUNCTIONS
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
@@ -207,14 +210,33 @@ def app_configs(args: argparse.Namespace) -> dict[str, AppConfig]:
     return apps
 
 
-class Deployed:
-    """One application deployed for the length of a `with` block, then deleted."""
+# Serve's Python proxy as the ingress instead of HAProxy, for "agg_python_proxy".
+PYTHON_PROXY_ENV = {**service_ops.SERVE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
 
-    def __init__(self, name: str, config: AppConfig, ports: dict) -> None:
+
+class Deployed:
+    """One application deployed for the length of a `with` block, then deleted; with
+    `python_proxy`, on a Serve started for it whose ingress is Serve's Python proxy."""
+
+    def __init__(self, name: str, config: AppConfig, ports: dict, python_proxy: bool) -> None:
         self.name, self.config, self.ports = name, config, ports
+        self.python_proxy = python_proxy
 
     def __enter__(self) -> str:
-        log(f"deploying {self.name}")
+        behind = " behind Serve's Python proxy" if self.python_proxy else ""
+        log(f"deploying {self.name}{behind}")
+        if self.python_proxy:
+            # The ingress is the controller's setting, fixed when it starts: a Serve of
+            # its own, which `deploy` then joins, and which goes when the block ends.
+            serve.shutdown()
+            serve.start(
+                http_options={"host": self.ports["http_host"], "port": self.ports["http_port"]},
+                grpc_options={
+                    "port": self.ports["grpc_port"],
+                    "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
+                },
+                controller_options={"runtime_env": {"env_vars": PYTHON_PROXY_ENV}},
+            )
         try:
             service_ops.deploy(self.config, app_name=self.name, route_prefix="/", **self.ports)
         except BaseException:
@@ -224,6 +246,8 @@ class Deployed:
 
     def __exit__(self, *exc) -> None:
         serve.delete(self.name)
+        if self.python_proxy:
+            serve.shutdown()  # the next application gets Serve's default ingress again
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -256,6 +280,7 @@ async def main_async(args: argparse.Namespace) -> None:
     services = {"agg": "agg", "disagg": disagg, f"agg_si{si}": f"agg_si{si}"}
     services[f"disagg_si{si}"] = f"{disagg}_si{si}"
     services["agg_actor_call"] = "agg_actor_call"
+    services["agg_python_proxy"] = "agg"
 
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
 
@@ -270,7 +295,7 @@ async def main_async(args: argparse.Namespace) -> None:
         log(f"round {r + 1}/{args.rounds}")
         await measure("engine", lambda p: engine_run(engine, p))
         for system, app in services.items():
-            with Deployed(app, apps[app], ports):
+            with Deployed(app, apps[app], ports, python_proxy=system == "agg_python_proxy"):
                 await measure(system, lambda p, app=app: service_run(address, app, p))
     await engine.shutdown()
 
@@ -299,7 +324,7 @@ async def main_async(args: argparse.Namespace) -> None:
     long_prompt = topic_prompt(tok, TOPICS[1], 512)
     for transport in TRANSPORTS:
         app = f"disagg_{transport}"
-        with Deployed(app, apps[app], ports):
+        with Deployed(app, apps[app], ports, python_proxy=False):
             prefill_s, handoff_s = await handoff_figures(address, app, long_prompt, 3)
         ctx = {"transport": transport, **context}
         emit(f"disagg.prefill_512_s.{transport}", prefill_s, "s", **ctx)
