@@ -15,18 +15,19 @@ applications beside the one measured took about 23% of this 2-core machine. The
 in-process engine runs while no application is deployed.
 
 "agg_actor_call" is "agg" with the router's pool calls as Ray actor calls rather than
-Serve's inter-deployment gRPC (AppConfig.output_channel), and "agg_python_proxy" is
-"agg" behind Serve's Python proxy rather than its HAProxy (the ingress before HAProxy),
-for comparison.
+Serve's inter-deployment gRPC (AppConfig.output_channel), "agg_python_proxy" is "agg"
+behind Serve's Python proxy rather than its HAProxy (the ingress before HAProxy), and
+"disagg_selective" is "disagg" with selective disaggregation (decode prefills the prompts
+that arrive while it waits on --max-pending-prefills prefills), for comparison.
 
 The services run twice: streaming every token (stream_interval 1, the default: "agg",
 "disagg") and every `--stream-interval` tokens after the first ("agg_si<N>",
 "disagg_si<N>"), the setting that trades smooth streams for less CPU per token on the
-serving path (the router -> client hop, one gRPC message per stream and message; the
+serving path (the router -> client hop, one gRPC message per stream each time; the
 engine -> router hop carries one message per engine step whatever the setting).
 
     .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 2] [--decode-threads 2]
-        [--stream-interval 4] [--dtype float32]
+        [--stream-interval 4] [--max-pending-prefills 4] [--dtype float32]
 
 Every engine, in process or in a pool, runs in --dtype (bfloat16: the fast path on CPUs
 with AMX or AVX512-BF16); each line carries it as its "dtype" key.
@@ -207,6 +208,11 @@ def app_configs(args: argparse.Namespace) -> dict[str, AppConfig]:
             )
     # The router's other output channel, for comparison (config.OutputChannel).
     apps["agg_actor_call"] = apps["agg"].model_copy(update={"output_channel": "actor_call"})
+    # Selective disaggregation: decode prefills what arrives while it already waits on
+    # --max-pending-prefills prefills (a burst the single prefill replica would queue).
+    apps["disagg_selective"] = apps[f"disagg_{AppConfig().transport}"].model_copy(
+        update={"max_pending_prefills": args.max_pending_prefills}
+    )
     return apps
 
 
@@ -280,6 +286,7 @@ async def main_async(args: argparse.Namespace) -> None:
     services = {"agg": "agg", "disagg": disagg, f"agg_si{si}": f"agg_si{si}"}
     services[f"disagg_si{si}"] = f"{disagg}_si{si}"
     services["agg_actor_call"] = "agg_actor_call"
+    services["disagg_selective"] = "disagg_selective"
     services["agg_python_proxy"] = "agg"
 
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -307,6 +314,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "prefill_threads": args.prefill_threads,
         "decode_threads": args.decode_threads,
         "si_stream_interval": si,
+        "selective_max_pending_prefills": args.max_pending_prefills,
         "dtype": args.dtype,
         "git_commit": git_commit(),
     }
@@ -340,6 +348,7 @@ def main() -> None:
     parser.add_argument("--agg-threads", type=int, default=min(2, cpu_count()))
     parser.add_argument("--prefill-threads", type=int, default=1)
     parser.add_argument("--decode-threads", type=int, default=min(2, cpu_count()))
+    parser.add_argument("--max-pending-prefills", type=int, default=4)
     parser.add_argument(
         "--stream-interval",
         type=int,

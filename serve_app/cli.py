@@ -327,6 +327,12 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _local_prefills(handoff: dict) -> str:
+    # .get: a replica of an older release, mid rolling upgrade, does not count them.
+    n = handoff.get("num_local_prefills", 0)
+    return f", local prefills {n}" if n else ""
+
+
 def _status_lines(report: dict) -> list[str]:
     """`baton status`'s text for a `service_ops.status()` report."""
     lines = [f"application {report['application']}: {report['status']}"]
@@ -343,6 +349,7 @@ def _status_lines(report: dict) -> list[str]:
             f"waiting {e['num_waiting']:>3}  KV {used}/{e['num_total_blocks']} blocks  "
             f"prefix hit rate {e['prefix_cache_hit_rate']:.2f}  "
             f"handoffs {r['handoff']['num_handoffs']}"
+            f"{_local_prefills(r['handoff'])}"
         )
         gpus = r.get("gpus", {})
         if not gpus.get("available"):

@@ -110,6 +110,13 @@ class AppConfig(_Frozen):
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     handoff_timeout_s: float = Field(30.0, gt=0)
+    # Selective disaggregation: a decode replica prefills a prompt itself, with no
+    # handoff, when the prompt's uncached part is at most `local_prefill_tokens`, or when
+    # it already waits on `max_pending_prefills` prefills from the prefill pool (a burst
+    # the pool would queue, while this replica's own compute can take it). 0 / None turn
+    # each rule off; both off, every prompt goes through the prefill pool.
+    local_prefill_tokens: int = Field(0, ge=0)
+    max_pending_prefills: int | None = Field(None, ge=1)
     # New tokens a stream gathers before the next message leaves the engine replica (the
     # first token always goes at once): each message costs two Ray Serve hops of CPU, so
     # a larger interval buys throughput at high concurrency for burstier streams. 1 sends

@@ -10,7 +10,10 @@ plays one role:
 - "decode": `generate` asks the prefill pool for the first token and the missing blocks,
   imports them and decodes. Decode drives the handoff because it is the side that knows
   which blocks it already holds, so only the rest ever travels. If the prefill pool
-  fails the handoff, decode computes the prompt itself, counted as a recompute.
+  fails the handoff, decode computes the prompt itself, counted as a recompute. It also
+  prefills a prompt itself by choice (selective disaggregation, `AppConfig`): when
+  little of it is uncached, or when it already waits on enough prefills that the pool
+  would queue this one.
 
 Each replica publishes its prefix cache's stored/evicted block hashes to the prefix
 registry, and its load and KV usage to Serve's request router (`record_routing_stats`).
@@ -68,6 +71,10 @@ class HandoffStats:
     # The prefill pool's own compute for those requests, to set the handoff against.
     prefill_seconds: float = 0.0
     num_stale_retries: int = 0
+    # Prompts this replica prefilled itself by choice (selective disaggregation), and
+    # the uncached prompt tokens it computed for them.
+    num_local_prefills: int = 0
+    local_prefill_tokens: int = 0
     # Prompt tokens this replica computed itself because the prefill pool failed it.
     num_recomputed_tokens: int = 0
     # Why the last such handoff failed ("" if none did): for `baton status` and tests.
@@ -108,6 +115,10 @@ class EngineServer:
             None if prefill_pool is None else prefill_pool.options(_by_reference=True)
         )
         self.handoff = HandoffStats()
+        self.block_size = config.block_size
+        self.local_prefill_tokens = config.local_prefill_tokens
+        self.max_pending_prefills = config.max_pending_prefills
+        self._pending_prefills = 0  # this replica's calls to the prefill pool in flight
         self.channels = OutputChannels(self.replica_id)
         self.engine_setup = {
             "dtype": engine_config.resolved_dtype_name(),
@@ -185,12 +196,22 @@ class EngineServer:
         have = await self.engine.call(
             lambda e: e.cached_prefix_blocks(list(request.block_hashes), prompt, request.cache_salt)
         )
+        uncached = len(prompt) - have * self.block_size
+        if self._prefills_here(uncached):
+            self.handoff.num_local_prefills += 1
+            self.handoff.local_prefill_tokens += uncached
+            stream = self.engine.generate(
+                request.request_id, prompt, request.params, request.cache_salt
+            )
+            async for out in stream:
+                yield out
+            return
         for _ in range(_MAX_STALE_RETRIES + 1):
             sent = time.perf_counter()
             tp = self.engine_setup["tensor_parallel_size"]
             response = self.prefill_pool.prefill.remote(request, have, tp)
             try:
-                result: PrefillResult = await response
+                result: PrefillResult = await self._pending(response)
             except asyncio.CancelledError:
                 response.cancel()  # the prefill replica aborts its request too
                 raise
@@ -247,6 +268,21 @@ class EngineServer:
             f"request {request.request_id}: this decode replica kept evicting the prefix it "
             f"reported ({_MAX_STALE_RETRIES} retries); it is short of KV blocks"
         )
+
+    def _prefills_here(self, uncached_tokens: int) -> bool:
+        """Selective disaggregation: whether this replica prefills the prompt itself."""
+        if uncached_tokens <= self.local_prefill_tokens:
+            return True
+        limit = self.max_pending_prefills
+        return limit is not None and self._pending_prefills >= limit
+
+    async def _pending(self, response) -> PrefillResult:
+        """The prefill pool's answer, counted as pending while it is awaited."""
+        self._pending_prefills += 1
+        try:
+            return await response
+        finally:
+            self._pending_prefills -= 1
 
     async def _recompute(
         self, request: EngineRequest, error: BaseException

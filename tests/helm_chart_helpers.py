@@ -86,6 +86,8 @@ AUTOSCALING = {
     "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},
 }
 AGGREGATED = {"mode": "aggregated", "aggregated": {"replicas": 2}}
+# One machine's pools: decode takes short prompts and prefill-pool backlogs itself.
+SELECTIVE = {"localPrefillTokens": 16, "maxPendingPrefills": 4}
 # A model from a PersistentVolumeClaim, a bounded /dev/shm, a longer stop for decode,
 # extra environment.
 MODEL_VOLUME = {
@@ -105,6 +107,7 @@ VALUE_SETS = {
     "multi-gpu-tp": MULTI_GPU_TP,
     "autoscaling": AUTOSCALING,
     "aggregated": AGGREGATED,
+    "selective-disaggregation": SELECTIVE,
     "model-volume": MODEL_VOLUME,
 }
 value_sets = pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())

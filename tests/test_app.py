@@ -54,6 +54,10 @@ def test_unknown_or_out_of_range_fields_are_refused():
         AppConfig.model_validate({"prefil": {}})
     with pytest.raises(ValueError, match="min_replicas"):
         AutoscalingConfig(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="local_prefill_tokens"):
+        AppConfig.model_validate({"local_prefill_tokens": -1})
+    with pytest.raises(ValueError, match="max_pending_prefills"):
+        AppConfig.model_validate({"max_pending_prefills": 0})
 
 
 def test_the_config_offers_exactly_the_engines_transports(model_dir):

@@ -79,6 +79,8 @@ def test_lint_strict_is_clean(values):
             ["/dev/shm is mounted by the chart", "sharedMemory.enabled=false"],
         ),
         ({"volumeMounts": [{"name": "models"}]}, ["/volumeMounts/0", "mountPath"]),
+        ({"maxPendingPrefills": 0}, ["/maxPendingPrefills", "minimum"]),
+        ({"localPrefillTokens": -1}, ["/localPrefillTokens", "minimum"]),
         ({"apiKey": {"secretName": "keys", "secretKey": ""}}, ["/apiKey/secretKey"]),
         (
             {"prefill": {"tensorParallelSize": 3}},

@@ -122,6 +122,8 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "block_size": v["blockSize"],
             "enable_prefix_caching": v["enablePrefixCaching"],
             "handoff_timeout_s": v["handoffTimeoutS"],
+            "local_prefill_tokens": v["localPrefillTokens"],
+            "max_pending_prefills": v.get("maxPendingPrefills"),
             "stream_interval": v["streamInterval"],
             "output_channel": v["outputChannel"],
             "registry_name": v["registryName"],

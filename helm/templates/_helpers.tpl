@@ -189,12 +189,16 @@ to equality, so a change to one must be made in the other.
     "block_size" $v.blockSize
     "enable_prefix_caching" $v.enablePrefixCaching
     "handoff_timeout_s" $v.handoffTimeoutS
+    "local_prefill_tokens" $v.localPrefillTokens
     "stream_interval" $v.streamInterval
     "registry_name" $v.registryName
     "router" (dict
       "num_cpus" $v.router.numCpus
       "resources" $v.router.rayResources
       "max_ongoing_requests" $v.router.maxOngoingRequests) }}
+{{- if $v.maxPendingPrefills }}
+{{- $_ := set $args "max_pending_prefills" $v.maxPendingPrefills }}
+{{- end }}
 {{- if $v.outputChannel }}
 {{- $_ := set $args "output_channel" $v.outputChannel }}
 {{- end }}
