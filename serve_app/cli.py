@@ -17,10 +17,6 @@ import logging
 import os
 import sys
 import uuid
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pydantic import ValidationError
 
 log = logging.getLogger("baton")
 
@@ -226,74 +222,12 @@ def _generate_remote(args: argparse.Namespace, messages: list[dict] | None) -> i
     return 0
 
 
-def _serve_config(args: argparse.Namespace):
-    from pydantic import ValidationError
-
-    from serve_app.config import AppConfig
-
-    fields: dict = {}
-    if args.config:
-        fields = _read_config_file(args.config)
-    if args.model:
-        fields["model"] = args.model
-    if args.mode:
-        fields["mode"] = args.mode
-    for pool in ("prefill", "decode", "aggregated"):
-        flags = {
-            "num_replicas": getattr(args, f"{pool}_replicas"),
-            "tensor_parallel_size": getattr(args, f"{pool}_tp"),
-            "dtype": args.dtype,
-        }
-        overrides = {k: v for k, v in flags.items() if v is not None}
-        if overrides:  # a pool key left empty in the file (`decode:`) loads as None
-            fields[pool] = {**(fields.get(pool) or {}), **overrides}
-    try:
-        config = AppConfig.model_validate(fields)
-    except ValidationError as e:
-        raise ValueError(f"invalid configuration: {_one_line(e)}") from None
-    unused = [p for p in ("prefill", "decode", "aggregated") if p not in config.pools()]
-    for pool in unused:
-        for flag in (f"{pool}_replicas", f"{pool}_tp"):
-            if getattr(args, flag) is not None:
-                raise ValueError(
-                    f"--{flag.replace('_', '-')} does not apply in {config.mode} mode "
-                    f"(its pools: {', '.join(config.pools())})"
-                )
-    return config
-
-
-def _read_config_file(path: str) -> dict:
-    import yaml
-
-    try:
-        with open(path) as f:
-            fields = yaml.safe_load(f)
-    except OSError as e:
-        raise ValueError(f"--config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        problem = getattr(e, "problem", None) or type(e).__name__
-        raise ValueError(f"--config {path}: not valid YAML{at}: {problem}") from None
-    if fields is None:
-        return {}
-    if not isinstance(fields, dict):
-        raise ValueError(f"--config {path}: must be a mapping of AppConfig fields")
-    return fields
-
-
-def _one_line(error: ValidationError) -> str:
-    """Each of pydantic's errors as `field.path: message`, joined on one line."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in error.errors()
-    )
-
-
 def _serve(args: argparse.Namespace) -> int:
     from serve_app import service_ops
     from serve_app.app import validate
+    from serve_app.serve_args import app_config_from_args
 
-    config = _serve_config(args)
+    config = app_config_from_args(args)
     validate(config)  # before a Ray head is started for a config that cannot deploy
     service_ops.connect(args.address, start_if_missing=True)
     log.info("deploying (%s mode); the first start loads the model", config.mode)

@@ -200,6 +200,7 @@ class EngineServer:
         if self._prefills_here(uncached):
             self.handoff.num_local_prefills += 1
             self.handoff.local_prefill_tokens += uncached
+            self.metrics.local_prefill()
             stream = self.engine.generate(
                 request.request_id, prompt, request.params, request.cache_salt
             )
@@ -271,7 +272,7 @@ class EngineServer:
 
     def _prefills_here(self, uncached_tokens: int) -> bool:
         """Selective disaggregation: whether this replica prefills the prompt itself."""
-        if uncached_tokens <= self.local_prefill_tokens:
+        if self.local_prefill_tokens and uncached_tokens <= self.local_prefill_tokens:
             return True
         limit = self.max_pending_prefills
         return limit is not None and self._pending_prefills >= limit

@@ -5,7 +5,8 @@ for Ray), with Ray's `ray_` prefix: `baton_time_to_first_token_seconds` is scrap
 `ray_baton_time_to_first_token_seconds`. The router records what clients see (TTFT,
 inter-token latency, requests by finish reason and status); engine replicas record
 their pool's state (running/waiting requests, KV usage, prefix hit rate), the KV
-handoff (bytes, seconds) and the prompt tokens recomputed because a handoff failed.
+handoff (bytes, seconds), the prompts decode prefilled itself by choice and the prompt
+tokens recomputed because a handoff failed.
 Ray exports a counter from its first increment: until a handoff fails, the recompute
 series is absent, which Prometheus reads as zero.
 """
@@ -133,6 +134,11 @@ class ReplicaMetrics:
             "Prompt tokens computed again because a KV handoff failed.",
             keys,
         )
+        self.local_prefills = Counter(
+            "baton_local_prefills_total",
+            "Prompts a decode replica prefilled itself (selective disaggregation).",
+            keys,
+        )
         self.gpu_memory_used = Gauge(
             "baton_gpu_memory_used_bytes", "GPU memory in use.", (*keys, "device")
         )
@@ -160,6 +166,9 @@ class ReplicaMetrics:
 
     def recompute(self, num_tokens: int) -> None:
         self.recomputed.inc(num_tokens, self._tags)
+
+    def local_prefill(self) -> None:
+        self.local_prefills.inc(1, self._tags)
 
     def gpus(self, report: GpuReport) -> None:
         for d in report.devices:

@@ -88,24 +88,6 @@ def test_bad_arguments_exit_2_with_the_field_named(model_dir, args, message, cap
     assert captured.out == ""
 
 
-def test_serve_flags_override_the_config_file(model_dir, tmp_path):
-    from serve_app.cli import _build_parser, _serve_config
-
-    path = tmp_path / "app.yaml"
-    path.write_text(
-        f"model: {model_dir}\n"
-        "prefill:\n  num_replicas: 3\n  num_threads: 2\n  dtype: float32\n"
-        "decode:\n"  # an empty pool key loads as None
-    )
-    args = _build_parser().parse_args(
-        ["serve", "--config", str(path), "--decode-tp", "3", "--dtype", "bfloat16"]
-    )
-    config = _serve_config(args)
-    assert (config.prefill.num_replicas, config.prefill.num_threads) == (3, 2)
-    assert config.decode.tensor_parallel_size == 3
-    assert {config.prefill.dtype, config.decode.dtype, config.aggregated.dtype} == {"bfloat16"}
-
-
 @pytest.mark.parametrize(
     ("file_text", "flags", "message"),
     [

@@ -5,12 +5,13 @@ counters say which path each prompt took, and no block is left held."""
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from ray import serve
-from service_helpers import KV, _greedy, wait_for
+from service_helpers import KV, _greedy, _scrape, wait_for
 
 from serve_app import service_ops
 from serve_app.client import BatonClient
@@ -22,6 +23,7 @@ from workers.engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow
 
 APP = "selective"
+BOARD = "baton-status-selective"
 LOCAL_TOKENS = 16
 MAX_TOKENS = 16
 
@@ -46,7 +48,7 @@ def client(ray_cluster, smollm2_dir, serve_ports):
         max_pending_prefills=1,
         prefill=PoolConfig(kv_cache_bytes=KV),
         decode=PoolConfig(kv_cache_bytes=KV),
-        status_board_name="baton-status-selective",
+        status_board_name=BOARD,
     )
     service_ops.deploy(config, app_name=APP, route_prefix=f"/{APP}", **serve_ports)
     try:
@@ -104,3 +106,28 @@ def test_a_prompt_arriving_while_decode_waits_on_prefill_is_prefilled_on_decode(
     assert after["num_local_prefills"] - before["num_local_prefills"] == 1
     assert after["local_prefill_tokens"] - before["local_prefill_tokens"] == len(prompts[0])
     wait_for(_all_free, "every block to be free", timeout_s=30)
+
+
+def test_local_prefills_are_exported_as_a_metric(client, ray_metrics_port):
+    client.generate_unary(_greedy("Hi", max_tokens=2))  # short: prefilled on decode
+
+    def exported() -> float:
+        samples = _scrape(ray_metrics_port).get("ray_baton_local_prefills_total", [])
+        return sum(v for labels, v in samples if f'app="{APP}"' in labels)
+
+    # Ray exports on an interval.
+    wait_for(lambda: exported() >= 1, "ray_baton_local_prefills_total", timeout_s=60)
+
+
+def test_status_shows_decodes_local_prefills(client):
+    from serve_app.cli import _status_lines
+
+    client.generate_unary(_greedy("Hi", max_tokens=2))  # short: prefilled on decode
+
+    def decode_line() -> str | None:
+        lines = _status_lines(service_ops.status(APP, BOARD))
+        line = next((x for x in lines if x.startswith("  decode ")), None)
+        return line if line and "local prefills" in line else None
+
+    # Replicas post to the board about once a second.
+    assert re.search(r"local prefills [1-9]", wait_for(decode_line, "a posted local prefill"))

@@ -1,0 +1,23 @@
+"""`baton serve`'s configuration from a file and flags (serve_app/serve_args.py); its
+refusals, as the command reports them, are in test_cli.py."""
+
+from __future__ import annotations
+
+from serve_app.cli import _build_parser
+from serve_app.serve_args import app_config_from_args
+
+
+def test_serve_flags_override_the_config_file(model_dir, tmp_path):
+    path = tmp_path / "app.yaml"
+    path.write_text(
+        f"model: {model_dir}\n"
+        "prefill:\n  num_replicas: 3\n  num_threads: 2\n  dtype: float32\n"
+        "decode:\n"  # an empty pool key loads as None
+    )
+    args = _build_parser().parse_args(
+        ["serve", "--config", str(path), "--decode-tp", "3", "--dtype", "bfloat16"]
+    )
+    config = app_config_from_args(args)
+    assert (config.prefill.num_replicas, config.prefill.num_threads) == (3, 2)
+    assert config.decode.tensor_parallel_size == 3
+    assert {config.prefill.dtype, config.decode.dtype, config.aggregated.dtype} == {"bfloat16"}
