@@ -1,12 +1,17 @@
 """The service against the in-process engine, in one run: what serving costs.
 
-Runs 8 and 32 concurrent streams of 128 new tokens each, round by round: the in-process
-`AsyncEngine`, then each service through Serve's gRPC ingress. Prints aggregate tokens/s,
+Runs 8 and 32 concurrent streams of 128 new tokens each, round by round: each service
+through Serve's gRPC ingress, each right after the in-process `AsyncEngine`. Prints aggregate tokens/s,
 TTFT p50/p99 and inter-token latency p50/p99 per system and concurrency, the CPU the
 router and Serve's ingress ("proxy": HAProxy and its manager, or a Python proxy) spend
 per streamed message (`*_cpu_ms_per_msg`), ratio.*.{agg,disagg}_over_engine, and, per
 KV transport, the handoff time of a 512-token prompt next to its prefill time
 (ratio.handoff_over_prefill_512.<transport>).
+
+A ratio over the engine is the median, over rounds, of a service's tokens/s over the
+in-process engine's measured just before it (the engine runs before every service, so a
+drift of the VM's speed during the run cancels out; "engine.*" are the medians of all
+those engine runs).
 
 Each service is deployed for its own turn and deleted after it, so it shares the
 machine only with what it brings: an idle replica is not free (Serve's health checks,
@@ -290,20 +295,34 @@ async def main_async(args: argparse.Namespace) -> None:
     services["agg_python_proxy"] = "agg"
 
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    # (system, concurrency) -> its tokens/s over the engine's, measured just before it.
+    paired: dict[tuple[str, int], list[float]] = {}
 
-    async def measure(system: str, run) -> None:
-        await run(batches[8][:2])  # warm-up
+    async def measure(system: str, run, warm_up: bool = True) -> dict[int, float]:
+        if warm_up:
+            await run(batches[8][:2])
+        tok_s = {}
         for c, prompts in batches.items():
             figures = await run(prompts)
             results.setdefault((system, c), []).append(figures)
+            tok_s[c] = figures["tok_s"]
             log(f"  c{c} {system:10s} {figures['tok_s']:.1f} tok/s")
+        return tok_s
 
+    def run_engine(prompts: list[list[int]]):
+        return engine_run(engine, prompts)
+
+    await run_engine(batches[8][:2])  # warm-up
     for r in range(args.rounds):
         log(f"round {r + 1}/{args.rounds}")
-        await measure("engine", lambda p: engine_run(engine, p))
         for system, app in services.items():
+            # The engine again before each service: this VM's speed drifts by 10-30%
+            # within a run, and the ratio of two adjacent runs cancels most of it.
+            engine_tok_s = await measure("engine", run_engine, warm_up=False)
             with Deployed(app, apps[app], ports, python_proxy=system == "agg_python_proxy"):
-                await measure(system, lambda p, app=app: service_run(address, app, p))
+                tok_s = await measure(system, lambda p, app=app: service_run(address, app, p))
+            for c in batches:
+                paired.setdefault((system, c), []).append(tok_s[c] / engine_tok_s[c])
     await engine.shutdown()
 
     context = {
@@ -326,7 +345,7 @@ async def main_async(args: argparse.Namespace) -> None:
             emit(f"{system}.c{c}_{key}", value, unit, concurrency=c, **context)
     for c in batches:
         for system in services:
-            ratio = medians[system, c]["tok_s"] / medians["engine", c]["tok_s"]
+            ratio = median(paired[system, c])
             emit(f"ratio.c{c}_tok_s.{system}_over_engine", ratio, "ratio", **context)
 
     long_prompt = topic_prompt(tok, TOPICS[1], 512)
