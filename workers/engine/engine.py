@@ -33,7 +33,6 @@ from workers.engine.sampling_params import (
     SamplingParams,
     TokenLogprob,
     check_request,
-    stops_on_token,
 )
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
@@ -279,21 +278,7 @@ class LLMEngine:
     def _append_token(
         self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float
     ) -> RequestOutput:
-        seq.output_token_ids.append(token)
-        if logprob is not None:
-            seq.output_logprobs.append(logprob)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        params = seq.params
-        reason = None
-        # Short of min_tokens the sampler never picks a stop token, and stop strings wait.
-        check_stop = len(seq.output_token_ids) >= params.min_tokens
-        if stops_on_token(token, params, self.eos_token_ids) or (
-            seq.detokenizer is not None and seq.detokenizer.add_token(token, check_stop)
-        ):
-            reason = FinishReason.STOP
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
+        reason = seq.append_token(token, logprob, now, self.eos_token_ids, self.max_model_len)
         # A prefill-only request that goes on ends here without a reason: it is not over.
         handing_off = reason is None and seq.prefill_only
         if reason is not None or handing_off:

@@ -10,7 +10,7 @@ import torch
 
 from workers.engine.block_hash import BlockHash
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.sampling_params import SamplingParams, TokenLogprob
+from workers.engine.sampling_params import SamplingParams, TokenLogprob, stops_on_token
 
 
 class SequenceStatus(enum.Enum):
@@ -82,3 +82,29 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def append_token(
+        self,
+        token: int,
+        logprob: TokenLogprob | None,
+        now: float,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+    ) -> FinishReason | None:
+        """Appends a sampled token; returns why it ends the sequence, if it does (finishing
+        it, its blocks and its scheduling, is the engine's)."""
+        self.output_token_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        params = self.params
+        # Short of min_tokens the sampler never picks a stop token, and stop strings wait.
+        check_stop = len(self.output_token_ids) >= params.min_tokens
+        if stops_on_token(token, params, eos_token_ids) or (
+            self.detokenizer is not None and self.detokenizer.add_token(token, check_stop)
+        ):
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
