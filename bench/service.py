@@ -1,12 +1,12 @@
 """The service against the in-process engine, in one run: what serving costs.
 
 Runs 8 and 32 concurrent streams of 128 new tokens each, round by round: each service
-through Serve's gRPC ingress, each right after the in-process `AsyncEngine`. Prints aggregate tokens/s,
-TTFT p50/p99 and inter-token latency p50/p99 per system and concurrency, the CPU the
-router and Serve's ingress ("proxy": HAProxy and its manager, or a Python proxy) spend
-per streamed message (`*_cpu_ms_per_msg`), ratio.*.{agg,disagg}_over_engine, and, per
-KV transport, the handoff time of a 512-token prompt next to its prefill time
-(ratio.handoff_over_prefill_512.<transport>).
+through Serve's gRPC ingress, each right after the in-process `AsyncEngine`. Prints
+aggregate tokens/s, TTFT p50/p99 and inter-token latency p50/p99 per system and
+concurrency, the CPU the router and Serve's ingress ("proxy": HAProxy and its manager,
+or a Python proxy) spend per streamed message (`*_cpu_ms_per_msg`),
+ratio.*.<system>_over_engine, and, per KV transport, the handoff time of a 512-token
+prompt next to its prefill time (ratio.handoff_over_prefill_512.<transport>).
 
 A ratio over the engine is the median, over rounds, of a service's tokens/s over the
 in-process engine's measured just before it (the engine runs before every service, so a
