@@ -103,6 +103,7 @@ def validate(config: AppConfig) -> None:
             )
         if pool.num_replicas < 1 and pool.autoscaling is None:
             raise ValueError(f"{role}.num_replicas must be >= 1 (or set {role}.autoscaling)")
+    config.context_length(config.model_dir())  # a max_model_len no KV cache can hold
 
 
 def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serve_app.status_board import DEFAULT_BOARD_NAME
 from workers.engine.config import EngineConfig, SpeculativeConfig
+from workers.model.config import ModelConfig
 
 # How prefill's KV blocks reach decode (workers/engine/kv_transport.py): "nixl" (Ray
 # Direct Transport: decode pulls the KV heads straight from the prefill ranks holding
@@ -178,7 +179,21 @@ class AppConfig(_Frozen):
         update["router"] = self.router.model_copy(update={"num_replicas": 1})
         return self.model_copy(update=update)
 
-    def engine_config(self, pool: PoolConfig, model_dir: str, model_id: str) -> EngineConfig:
+    def context_length(self, model_dir: Path) -> int:
+        """Tokens one request may span: the engines' `EngineConfig.context_length`, the
+        least of every pool's (each holds a request's blocks whole). ValueError, naming
+        the pool, if `max_model_len` is more than a pool's KV cache holds."""
+        model = ModelConfig.from_pretrained(model_dir)
+        lengths = []
+        for role, pool in self.pools().items():
+            try:
+                engine = self.engine_config(pool, str(model_dir), model_id=None)
+                lengths.append(engine.context_length(model))
+            except ValueError as e:
+                raise ValueError(f"{role} pool: {e}") from None
+        return min(lengths)
+
+    def engine_config(self, pool: PoolConfig, model_dir: str, model_id: str | None) -> EngineConfig:
         return EngineConfig(
             model=model_dir,
             block_size=self.block_size,

@@ -4,7 +4,7 @@
 Fields the engine cannot honour are refused when set to anything but their neutral value
 (`UNSUPPORTED`), rather than silently ignored; fields OpenAI clients send that do not change
 the output (user, metadata...) are accepted and ignored. JSON null means "the default" for
-every optional field, as in vLLM and SGLang. Every refusal is a `RequestFieldError`, whose
+every optional field, as in vLLM and SGLang. Every refusal is an `InvalidRequestError` whose
 `param` is the field at fault (the OpenAI error body's `param`).
 """
 
@@ -14,12 +14,15 @@ import json
 from dataclasses import replace
 from typing import Any, Literal
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_app.prompts import PromptInput
 from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
+# An HTTP body over this is refused before it is parsed (gRPC's own limit is 4 MiB).
+MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Choices per request: each is an engine request of its own.
 MAX_CHOICES = 16
@@ -44,15 +47,23 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_choice": ((), _STRUCTURED),
     "guided_grammar": ((), _STRUCTURED),
     "structured_outputs": ((), _STRUCTURED),
+    # Other vLLM extensions that would change the output.
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "include_stop_str_in_output": ((False,), "a stop string is never part of the output"),
+    "allowed_token_ids": ((), "restricting the vocabulary is not supported; use logit_bias"),
+    "bad_words": (([],), "bad_words is not supported; use logit_bias"),
+    "prompt_logprobs": ((), "prompt logprobs are not returned"),
+    "truncate_prompt_tokens": ((), "prompts are never truncated; shorten the prompt"),
+    "add_generation_prompt": ((True,), "the generation prompt is always added"),
+    "continue_final_message": ((False,), "a final assistant message is never continued"),
+    "chat_template": ((), "a request cannot bring its own chat template"),
+    "chat_template_kwargs": (({},), "the chat template takes no arguments"),
+    "spaces_between_special_tokens": ((True,), "special tokens are always spaced"),
+    "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),
+    # OpenAI's audio output.
+    "modalities": ((["text"],), "only text is generated"),
+    "audio": ((), "audio output is not supported"),
 }
-
-
-class RequestFieldError(InvalidRequestError):
-    """A bad request; `param` names the field at fault (None: the body as a whole)."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 def _check_unsupported(body: dict[str, Any]) -> None:
@@ -67,7 +78,7 @@ def _check_unsupported(body: dict[str, Any]) -> None:
         allowed = f"accepted: {accepted} (or absent)" if accepted else "leave it out"
         got = json.dumps(value, default=repr)
         got = got if len(got) <= 80 else got[:77] + "..."
-        raise RequestFieldError(name, f"{name}: {why}; {allowed}, got {got}")
+        raise InvalidRequestError(f"{name}: {why}; {allowed}, got {got}", param=name)
 
 
 class _Body(BaseModel):
@@ -120,8 +131,8 @@ class _Request(_Body):
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> _Request:
         if self.stream_options is not None and not self.stream:
-            raise RequestFieldError(
-                "stream_options", "stream_options: only allowed when stream is true"
+            raise InvalidRequestError(
+                "stream_options: only allowed when stream is true", param="stream_options"
             )
         return self
 
@@ -137,7 +148,7 @@ class _Request(_Body):
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
-                seed=self.seed,
+                seed=self._seed(),
                 ignore_eos=self.ignore_eos,
                 stop_token_ids=tuple(self.stop_token_ids),
                 stop=tuple(stop),
@@ -151,20 +162,26 @@ class _Request(_Body):
                 min_tokens=self.min_tokens,
             )
         except InvalidRequestError as e:
-            # The engine's ranges are the ones that count; its messages open with the
-            # field's name, which is the request's too (chat's top_logprobs and
-            # max_completion_tokens, named otherwise there, are checked before this).
-            name = str(e).split(" ", 1)[0]
-            raise RequestFieldError(
-                name if name in type(self).model_fields else None, str(e)
-            ) from None
+            # The engine's ranges are the ones that count, and its fields are named as the
+            # request's (chat's top_logprobs and max_completion_tokens, named otherwise
+            # there, are checked before this).
+            if e.param not in type(self).model_fields:
+                e.param = None
+            raise
+
+    def _seed(self) -> int | None:
+        # OpenAI takes any int64; the engine's seeds are [0, 2**63), which the negative
+        # half maps onto (a seed names a stream; which one does not matter).
+        if self.seed is not None and -(2**63) <= self.seed < 0:
+            return self.seed + 2**63
+        return self.seed
 
     def _logit_bias(self) -> dict[int, float]:
         try:
             return {int(token): bias for token, bias in self.logit_bias.items()}
         except ValueError:
-            raise RequestFieldError(
-                "logit_bias", "logit_bias: keys must be token ids (integers, as strings)"
+            raise InvalidRequestError(
+                "logit_bias: keys must be token ids (integers, as strings)", param="logit_bias"
             ) from None
 
 
@@ -177,18 +194,20 @@ class CompletionRequest(_Request):
             return PromptInput(text=self.prompt)
         if self.prompt and all(isinstance(p, str) for p in self.prompt):
             if len(self.prompt) != 1:
-                raise RequestFieldError(
-                    "prompt", "prompt: send one prompt per request (a list of one string)"
+                raise InvalidRequestError(
+                    "prompt: send one prompt per request (a list of one string)", param="prompt"
                 )
             return PromptInput(text=self.prompt[0])
         return PromptInput(token_ids=tuple(self.prompt))
 
     def sampling_params(self, room: int) -> SamplingParams:
         """`room`: tokens the context has left after the prompt. Unsent, max_tokens is
-        OpenAI's 16, or less where the context has less room (as in vLLM)."""
+        OpenAI's 16 (or min_tokens, if more), or less where the context has less room (as
+        in vLLM)."""
         max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, _room_left("prompt", room))
+            default = max(DEFAULT_COMPLETION_MAX_TOKENS, self.min_tokens)
+            max_tokens = min(default, _room_left("prompt", room))
         return self._params(max_tokens, self.logprobs)
 
 
@@ -203,9 +222,9 @@ class ChatMessage(_Body):
         for j, part in enumerate(self.content):
             where = f"messages.{index}.content.{j}"
             if part.get("type") != "text":
-                raise RequestFieldError(where, f"{where}: only text parts are supported")
+                raise InvalidRequestError(f"{where}: only text parts are supported", param=where)
             if not isinstance(part.get("text"), str):
-                raise RequestFieldError(f"{where}.text", f"{where}.text: must be a string")
+                raise InvalidRequestError(f"{where}.text: must be a string", param=f"{where}.text")
             parts.append(part["text"])
         return "".join(parts)
 
@@ -219,7 +238,7 @@ class ChatCompletionRequest(_Request):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise RequestFieldError("top_logprobs", "top_logprobs: requires logprobs: true")
+            raise InvalidRequestError("top_logprobs: requires logprobs: true", param="top_logprobs")
         return self
 
     def prompt_input(self) -> PromptInput:
@@ -249,8 +268,9 @@ def _room_left(prompt_field: str, room: int) -> int:
     """The context's room after the prompt, for a request that sent no max_tokens; a
     prompt that leaves none is blamed, not the max_tokens the client never sent."""
     if room < 1:
-        raise RequestFieldError(
-            prompt_field, f"{prompt_field}: the prompt fills the model's whole context; shorten it"
+        raise InvalidRequestError(
+            f"{prompt_field}: the prompt fills the model's whole context; shorten it",
+            param=prompt_field,
         )
     return room
 
@@ -269,13 +289,13 @@ _UNION_TYPES = {
 
 
 def parse(model: type[_Request], body: Any) -> _Request:
-    """A request model from a JSON body; RequestFieldError naming the first bad field."""
+    """A request model from a JSON body; InvalidRequestError naming the first bad field."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         cause = err.get("ctx", {}).get("error")
-        if isinstance(cause, RequestFieldError):
+        if isinstance(cause, InvalidRequestError):
             raise cause from None
         # The location, less pydantic's union-branch tags ("str", "list[str]"...).
         path = [p for p in err["loc"] if isinstance(p, int) or p in _FIELDS]
@@ -283,4 +303,27 @@ def parse(model: type[_Request], body: Any) -> _Request:
         if path and len(path) < len(err["loc"]) and path[-1] in _UNION_TYPES:
             message = f"must be {_UNION_TYPES[path[-1]]}"
         param = ".".join(str(p) for p in path) or None
-        raise RequestFieldError(param, f"{param or 'body'}: {message}") from None
+        raise InvalidRequestError(f"{param or 'body'}: {message}", param=param) from None
+
+
+async def json_body(raw: Request) -> object:
+    """An HTTP request's JSON body, read no further than MAX_BODY_BYTES."""
+    declared = raw.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _body_too_large(int(declared))
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _body_too_large(size)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidRequestError("the request body must be a JSON object") from None
+
+
+def _body_too_large(size: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the request body is {size} bytes or more; at most {MAX_BODY_BYTES} are accepted"
+    )

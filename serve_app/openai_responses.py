@@ -174,11 +174,14 @@ def http_error(exc: BaseException) -> JSONResponse:
     """The error response for a request that failed before its first byte was sent."""
     kind, message = public_error(exc)
     status = HTTP_STATUS.get(kind, 500)
-    param = getattr(root_cause(exc), "param", None)  # an openai_api.RequestFieldError's field
+    param = getattr(root_cause(exc), "param", None)  # the field at fault, if one is
     if kind == "unauthenticated":  # as OpenAI answers a bad key
         body = error_body(message, HTTP_ERROR_TYPE[kind], code="invalid_api_key")
         return JSONResponse(body, status, headers={"WWW-Authenticate": "Bearer"})
-    return JSONResponse(error_body(message, HTTP_ERROR_TYPE.get(kind, kind), param), status)
+    # A client backs off for at least this long before it retries a 503.
+    headers = {"Retry-After": "1"} if status == 503 else None
+    body = error_body(message, HTTP_ERROR_TYPE.get(kind, kind), param)
+    return JSONResponse(body, status, headers=headers)
 
 
 async def sse_events(

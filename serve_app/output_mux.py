@@ -71,7 +71,7 @@ class OutputChannel:
             self._ready.clear()
             try:
                 await asyncio.wait_for(self._ready.wait(), idle_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before 3.11
                 if self.num_requests == 0 and not self._pending:
                     return None
         pending, self._pending = self._pending, {}

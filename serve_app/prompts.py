@@ -18,7 +18,7 @@ from serve_app.protocol import EngineRequest
 from serve_app.text_stream import TextStream, engine_params
 from workers.engine.block_hash import hash_full_blocks, root_hash
 from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling_params import SamplingParams, check_request
+from workers.engine.sampling_params import SamplingParams, check_request, check_text
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import Tokenizer, eos_token_ids
 
@@ -38,17 +38,21 @@ class PromptInput:
                 "prompt: give exactly one of text, chat messages or token ids"
             )
 
+    def num_chars(self) -> int:
+        """The text's length, all messages' together; 0 for token ids."""
+        if self.messages is not None:
+            return sum(len(content) for _, content in self.messages)
+        return len(self.text or "")
+
 
 class ModelFrontend:
-    def __init__(self, model_dir: Path, model_id: str, block_size: int, max_model_len: int | None):
+    def __init__(self, model_dir: Path, model_id: str, block_size: int, max_model_len: int):
+        """`max_model_len`: the engines' context length (AppConfig.context_length)."""
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer(model_dir)
         self.model_id = model_id
         self.block_size = block_size
-        self.max_model_len = min(
-            max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
+        self.max_model_len = max_model_len
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = sorted(
             eos_token_ids(model_dir, self.model_config.eos_token_ids, self.tokenizer)
@@ -70,6 +74,8 @@ class ModelFrontend:
                     raise InvalidRequestError(
                         f"messages[{i}].role must be one of {sorted(roles)}, got {role!r}"
                     )
+            for i, (_, content) in enumerate(prompt.messages):
+                check_text(content, f"messages.{i}.content")
             try:
                 return self.tokenizer.encode_chat(
                     [{"role": r, "content": c} for r, c in prompt.messages]
@@ -78,7 +84,7 @@ class ModelFrontend:
                 raise InvalidRequestError(
                     f"messages: the model's chat template refused them: {e}"
                 ) from e
-        return self.tokenizer.encode(prompt.text)
+        return self.tokenizer.encode(check_text(prompt.text, "prompt"))
 
     def build_request(
         self,
@@ -89,7 +95,7 @@ class ModelFrontend:
     ) -> EngineRequest:
         """Checks a tokenized request; InvalidRequestError naming the field if it cannot run. The
         engine is asked for it without stop strings: the router applies them (TextStream)."""
-        check_request(ids, params, self.vocab_size, self.max_model_len)
+        check_request(ids, params, self.vocab_size, self.max_model_len, cache_salt)
         hashes = hash_full_blocks(ids, self.block_size, root_hash(self.model_id, cache_salt))
         return EngineRequest(
             request_id, tuple(ids), engine_params(params), cache_salt, tuple(hashes)

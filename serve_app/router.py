@@ -10,7 +10,6 @@ on text and a stop string ends the request for the client at once.
 """
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -25,6 +24,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import openai_api
 from serve_app.api_keys import ApiKeys, authorization
@@ -46,7 +46,6 @@ from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
 from serve_app.stream_merge import merge_streams
 from serve_app.text_stream import TextStream
-from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import model_identity
@@ -54,7 +53,19 @@ from workers.model.loader import model_identity
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "baton.v1.Baton"
+# Prompts longer than this are tokenized on a worker thread, where the tokenizer lets go
+# of the GIL: inline, a megabyte of text would stall every stream this router relays
+# for seconds. Shorter ones stay inline, as the thread hop costs more than they do.
+INLINE_TOKENIZE_CHARS = 16_384
 http_app = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton service")
+
+
+@http_app.exception_handler(StarletteHTTPException)
+async def _openai_http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """An unknown path or method answers in OpenAI's error shape, as every other error."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    message = f"{exc.detail}: {raw.method} {raw.url.path}"
+    return JSONResponse(error_body(message, kind), exc.status_code, headers=exc.headers)
 
 
 def _set_status(grpc_context: RayServegRPCContext, exc: BaseException) -> None:
@@ -104,7 +115,7 @@ class Router:
         model_dir = config.model_dir()
         self.model_id = model_identity(model_dir)
         self.frontend = ModelFrontend(
-            model_dir, self.model_id, config.block_size, config.max_model_len
+            model_dir, self.model_id, config.block_size, config.context_length(model_dir)
         )
         self.served_model_name = config.served_model_name or model_dir.name
         # What "auto" means for each pool is the engine's rule, so ask the engine's config.
@@ -189,6 +200,11 @@ class Router:
             await outputs.aclose()  # its finally clauses only drop what it registered
             self.metrics.generated(api, last.num_output_tokens if last else 0)
 
+    async def _tokenize(self, prompt: PromptInput) -> list[int]:
+        if prompt.num_chars() > INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.frontend.tokenize, prompt)
+        return self.frontend.tokenize(prompt)
+
     def _refused(self, api: str, exc: BaseException) -> None:
         """Counts a request that failed before reaching a pool."""
         self.metrics.ended(api, public_error(exc)[0])
@@ -201,8 +217,7 @@ class Router:
         started = time.perf_counter()
         try:
             self._authorize(_grpc_authorization(grpc_context))
-            prompt = prompt_from_proto(request)
-            ids = self.frontend.tokenize(prompt)
+            ids = await self._tokenize(prompt_from_proto(request))
             params = params_from_proto(request, self.frontend.max_model_len - len(ids))
             ((engine_request, text),) = await self._engine_requests(
                 ids, [params], request.cache_salt or None
@@ -241,7 +256,7 @@ class Router:
     ) -> pb.TokenizeResponse:
         try:
             self._authorize(_grpc_authorization(grpc_context))
-            ids = self.frontend.tokenize(prompt_from_proto(request))
+            ids = await self._tokenize(prompt_from_proto(request))
         except Exception as e:
             _set_status(grpc_context, e)
             return pb.TokenizeResponse()
@@ -305,18 +320,32 @@ class Router:
             self._authorize(raw.headers.get("authorization"))
         except Exception as e:
             return http_error(e)
+        return {"object": "list", "data": [self._model_card()]}
+
+    @http_app.get("/v1/models/{model:path}")
+    async def model(self, model: str, raw: Request):
+        try:
+            self._authorize(raw.headers.get("authorization"))
+        except Exception as e:
+            return http_error(e)
+        if model != self.served_model_name:
+            return self._model_not_found(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.served_model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "baton",
-                    "max_model_len": self.frontend.max_model_len,
-                }
-            ],
+            "id": self.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "baton",
+            "max_model_len": self.frontend.max_model_len,
         }
+
+    def _model_not_found(self, model: str) -> JSONResponse:
+        message = f"model {model!r} is not served here; use {self.served_model_name!r}"
+        return JSONResponse(
+            error_body(message, "invalid_request_error", "model", "model_not_found"), 404
+        )
 
     @http_app.post("/v1/completions")
     async def completions(self, raw: Request):
@@ -330,18 +359,11 @@ class Router:
         started = time.perf_counter()
         try:
             self._authorize(raw.headers.get("authorization"))
-            try:
-                body = await raw.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise InvalidRequestError("the request body must be a JSON object") from None
-            req = openai_api.parse(model, body)
+            req = openai_api.parse(model, await openai_api.json_body(raw))
             if req.model != self.served_model_name:
-                message = f"model {req.model!r} is not served here; use {self.served_model_name!r}"
                 self.metrics.ended("http", "invalid")
-                body = error_body(message, "invalid_request_error", "model")
-                return JSONResponse(body, 404)
-            prompt: PromptInput = req.prompt_input()
-            ids = self.frontend.tokenize(prompt)
+                return self._model_not_found(req.model)
+            ids = await self._tokenize(req.prompt_input())
             params = req.sampling_params(self.frontend.max_model_len - len(ids))
             choices = await self._engine_requests(
                 ids, openai_api.choice_params(params, req.n), req.cache_salt

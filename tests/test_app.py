@@ -40,6 +40,23 @@ def test_a_pool_without_replicas_or_autoscaling_is_refused(model_dir):
     validate(AppConfig(model=str(model_dir), prefill=scaled))
 
 
+def test_the_context_length_is_the_least_any_pools_kv_cache_holds(model_dir):
+    # The tiny model: 2 layers, 3 KV heads of 8 dims: 16-token blocks of 6144 bytes (fp32).
+    small = PoolConfig(kv_cache_bytes=10 * 6144)
+    config = AppConfig(model=str(model_dir), prefill=small)
+    assert config.context_length(model_dir) == 160
+    assert (
+        AppConfig(model=str(model_dir), max_model_len=100, prefill=small).context_length(model_dir)
+        == 100
+    )
+    too_long = AppConfig(model=str(model_dir), max_model_len=200, prefill=small)
+    with pytest.raises(ValueError, match="prefill pool: max_model_len=200 .* 160 tokens"):
+        validate(too_long)
+    none = AppConfig(model=str(model_dir), decode=PoolConfig(kv_cache_bytes=6000))
+    with pytest.raises(ValueError, match="decode pool: kv_cache_bytes=6000 holds no KV block"):
+        validate(none)
+
+
 def test_a_missing_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         build_app({"model": str(tmp_path / "nowhere")})

@@ -75,7 +75,7 @@ def test_seeded_sampling_is_reproducible_from_the_command_line(model_dir, capsys
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "-1"], "temperature must be in [0, 100]"),
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
         (["--system", "x"], "--system needs --chat"),

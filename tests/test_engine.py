@@ -8,6 +8,7 @@ from tiny_model import make_tiny_model, random_prompts
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
+from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import FinishReason
 
@@ -190,10 +191,16 @@ def test_duplicate_request_id_is_refused(model_dir):
         engine.add_request("same", [1, 2, 3], GREEDY)
 
 
-def test_request_larger_than_the_kv_cache_is_refused(model_dir):
-    engine = _engine(model_dir, num_kv_blocks=2)
-    with pytest.raises(ValueError, match="KV cache"):
+def test_the_context_length_is_what_the_kv_cache_holds_and_requests_past_it_are_refused(
+    model_dir,
+):
+    engine = _engine(model_dir, num_kv_blocks=2)  # 2 blocks of 16 tokens
+    assert engine.max_model_len == 32
+    with pytest.raises(InvalidRequestError, match="exceeds the context length 32") as err:
         engine.add_request("big", [5] * 30, SamplingParams(max_tokens=10))
+    assert err.value.param == "max_tokens"
+    (fits,) = engine.generate([[5] * 22], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(fits.output_token_ids) == 10
 
 
 def test_stats_track_requests_and_blocks(model_dir):

@@ -138,6 +138,40 @@ def test_a_waiting_import_that_fits_is_not_blocked_by_an_older_one(model_dir):
     _assert_all_free(prefill, decode)
 
 
+def test_imports_whose_pinned_prefixes_block_each_other_go_on_by_recompute(model_dir):
+    prefill, cold = _engine(model_dir), _engine(model_dir)
+    decode = _engine(model_dir, num_kv_blocks=10, max_num_seqs=1)
+    prefixes = [_tokens(3 * BLOCK, seed=90), _tokens(3 * BLOCK, seed=91)]
+    for prefix in prefixes:
+        _single(decode, [*prefix, 5])  # decode caches each prefix's 3 blocks
+    busy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    decode.add_request("busy", _tokens(BLOCK + 1, seed=92), busy)
+    decode.step()  # the only sequence slot is taken: the imports queue
+    prompts = {
+        f"r{i}": [*prefix, *_tokens(4 * BLOCK + 1, seed=93 + i)]
+        for i, prefix in enumerate(prefixes)
+    }
+    for rid, prompt in prompts.items():
+        first = _prefill(prefill, rid, prompt)
+        skip = decode.cached_prefix_blocks(list(first.handoff.block_hashes), prompt)
+        assert skip == 3
+        handle, parts = prefill.export_kv(rid, skip_blocks=skip)
+        decode.add_prefilled_request(rid, prompt, GREEDY, handle, parts)
+        prefill.release_handoff(rid)
+    # Each pins its 3 cached blocks and needs 5 more: with the other's pins, never.
+    assert decode.stats().imports_waiting == 2
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(500):
+        if not decode.has_unfinished():
+            break
+        for out in decode.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    for rid, prompt in prompts.items():
+        assert _tokens_of(outputs[rid]) == _tokens_of(_single(cold, prompt))
+    assert decode.stats().num_preemptions == 1  # the younger one, recomputed
+    _assert_all_free(prefill, decode)
+
+
 def test_mismatched_handoffs_are_refused(model_dir, tmp_path):
     prefill = _engine(model_dir)
     prompt = _tokens(2 * BLOCK + 5, seed=70)

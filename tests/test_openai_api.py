@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.testclient import TestClient
 
 from serve_app.openai_api import (
     DEFAULT_COMPLETION_MAX_TOKENS,
+    MAX_BODY_BYTES,
     UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
-    RequestFieldError,
     choice_params,
+    json_body,
     parse,
 )
 from serve_app.openai_responses import error_body
+from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "a"}]
@@ -80,13 +85,13 @@ def test_completions_default_to_16_tokens_or_the_room_left():
     req = parse(CompletionRequest, _completion())
     assert req.sampling_params(room=1000).max_tokens == 16
     assert req.sampling_params(room=5).max_tokens == 5
-    with pytest.raises(RequestFieldError, match="^prompt: the prompt fills") as refused:
+    with pytest.raises(InvalidRequestError, match="^prompt: the prompt fills") as refused:
         req.sampling_params(room=0)
     assert refused.value.param == "prompt"
 
 
 def test_a_chat_prompt_that_fills_the_context_is_blamed_not_an_unsent_max_tokens():
-    with pytest.raises(RequestFieldError, match="^messages: the prompt fills") as refused:
+    with pytest.raises(InvalidRequestError, match="^messages: the prompt fills") as refused:
         parse(ChatCompletionRequest, _chat()).sampling_params(room=0)
     assert refused.value.param == "messages"
     # With a budget of its own, the engine's check names the prompt and that budget.
@@ -120,11 +125,11 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(model):
         ("logit_bias", {"7": 101}, "logit_bias must map token ids to numbers in [-100, 100]"),
         ("logit_bias", {"seven": 1}, "logit_bias: keys must be token ids"),
         ("logit_bias", {"7": "1"}, "logit_bias"),
-        ("min_tokens", 17, "min_tokens must be an integer in [0, max_tokens=16]"),
+        ("min_tokens", -1, "min_tokens must be an integer in [0, max_tokens=16]"),
     ],
 )
 def test_out_of_range_penalties_and_biases_name_the_field(field, value, named):
-    with pytest.raises(RequestFieldError) as refused:
+    with pytest.raises(InvalidRequestError) as refused:
         parse(CompletionRequest, _completion(**{field: value})).sampling_params(room=100)
     assert refused.value.param is not None and refused.value.param.startswith(field)
     assert named in str(refused.value)
@@ -192,7 +197,7 @@ def test_null_means_the_default_for_every_optional_field():
     ],
 )
 def test_schema_errors_name_the_field_in_the_message_and_the_param(model, body, param, says):
-    with pytest.raises(RequestFieldError) as err:
+    with pytest.raises(InvalidRequestError) as err:
         parse(model, body)
     assert err.value.param == param
     assert str(err.value).startswith(f"{param or 'body'}: ")
@@ -217,11 +222,18 @@ def test_schema_errors_name_the_field_in_the_message_and_the_param(model, body, 
             'accepted: {"type": "text"}',
         ),
         (ChatCompletionRequest, "guided_json", {"type": "object"}, "leave it out"),
+        (CompletionRequest, "use_beam_search", True, "accepted: false"),
+        (ChatCompletionRequest, "include_stop_str_in_output", True, "accepted: false"),
+        (ChatCompletionRequest, "bad_words", ["x"], "accepted: []"),
+        (ChatCompletionRequest, "add_generation_prompt", False, "accepted: true"),
+        (ChatCompletionRequest, "chat_template_kwargs", {"x": 1}, "accepted: {}"),
+        (ChatCompletionRequest, "modalities", ["text", "audio"], 'accepted: ["text"]'),
+        (CompletionRequest, "prompt_logprobs", 0, "leave it out"),
     ],
 )
 def test_unsupported_settings_are_refused_not_ignored(model, field, value, accepted):
     body = (_chat if model is ChatCompletionRequest else _completion)(**{field: value})
-    with pytest.raises(RequestFieldError) as err:
+    with pytest.raises(InvalidRequestError) as err:
         parse(model, body)
     assert err.value.param == field
     assert str(err.value).startswith(f"{field}: ") and accepted in str(err.value)
@@ -234,15 +246,30 @@ def test_the_neutral_values_of_unsupported_fields_are_accepted(field):
         parse(CompletionRequest, _completion(**{field: value}))
 
 
+def test_negative_seeds_as_openai_takes_them_map_onto_the_engines_seeds():
+    params = parse(CompletionRequest, _completion(seed=-1)).sampling_params(room=100)
+    assert params.seed == 2**63 - 1
+    lowest = parse(CompletionRequest, _completion(seed=-(2**63))).sampling_params(room=100)
+    assert lowest.seed == 0
+
+
+def test_min_tokens_raises_the_default_max_tokens_within_the_room():
+    req = parse(CompletionRequest, _completion(min_tokens=40))
+    assert req.sampling_params(room=100).max_tokens == 40
+    with pytest.raises(InvalidRequestError) as err:
+        req.sampling_params(room=30)  # the context has room for fewer than min_tokens
+    assert err.value.param == "min_tokens"
+
+
 def test_parallel_tool_calls_are_accepted_as_tools_are_refused_anyway():
     parse(ChatCompletionRequest, _chat(parallel_tool_calls=True, tools=[], tool_choice="none"))
-    with pytest.raises(RequestFieldError) as err:
+    with pytest.raises(InvalidRequestError) as err:
         parse(ChatCompletionRequest, _chat(parallel_tool_calls=True, tools=[{"type": "function"}]))
     assert err.value.param == "tools"
 
 
 def test_top_logprobs_need_logprobs():
-    with pytest.raises(RequestFieldError, match="top_logprobs: requires logprobs: true") as err:
+    with pytest.raises(InvalidRequestError, match="top_logprobs: requires logprobs: true") as err:
         parse(ChatCompletionRequest, _chat(top_logprobs=2))
     assert err.value.param == "top_logprobs"
     assert parse(ChatCompletionRequest, _chat(top_logprobs=0)).sampling_params(5).logprobs is None
@@ -252,7 +279,7 @@ def test_top_logprobs_need_logprobs():
 
 def test_stream_options_need_a_stream():
     for stream in ({}, {"stream": False}):
-        with pytest.raises(RequestFieldError, match="only allowed when stream is true") as err:
+        with pytest.raises(InvalidRequestError, match="only allowed when stream is true") as err:
             parse(CompletionRequest, _completion(**stream, stream_options={"include_usage": True}))
         assert err.value.param == "stream_options"
     req = parse(ChatCompletionRequest, _chat(stream=True, stream_options={"include_usage": True}))
@@ -264,16 +291,16 @@ def test_stream_options_need_a_stream():
     ("fields", "param", "says"),
     [
         ({"top_p": 2}, "top_p", "(0, 1]"),
-        ({"temperature": -1}, "temperature", ">= 0"),
-        ({"top_k": -1}, "top_k", ">= 0"),
-        ({"seed": -1}, "seed", "[0, 2**63)"),
+        ({"temperature": -1}, "temperature", "[0, 100]"),
+        ({"top_k": -2}, "top_k", ">= 0, or -1"),
+        ({"seed": 2**63}, "seed", "[0, 2**63)"),
         ({"stop": [""]}, "stop", "non-empty"),
         ({"logprobs": 21}, "logprobs", "[0, 20]"),
     ],
 )
 def test_the_engines_range_errors_name_the_field(fields, param, says):
     req = parse(CompletionRequest, _completion(**fields))
-    with pytest.raises(RequestFieldError) as err:
+    with pytest.raises(InvalidRequestError) as err:
         req.sampling_params(room=100)
     assert err.value.param == param and says in str(err.value)
 
@@ -287,20 +314,20 @@ def test_the_engines_range_errors_name_the_field(fields, param, says):
 )
 def test_chat_content_parts_must_be_text(content, param):
     req = parse(ChatCompletionRequest, _chat(messages=[{"role": "user", "content": content}]))
-    with pytest.raises(RequestFieldError) as err:
+    with pytest.raises(InvalidRequestError) as err:
         req.prompt_input()
     assert err.value.param == param and str(err.value).startswith(f"{param}: ")
 
 
 def test_one_prompt_per_request():
     req = parse(CompletionRequest, _completion(prompt=["a", "b"]))
-    with pytest.raises(RequestFieldError, match="one prompt per request") as err:
+    with pytest.raises(InvalidRequestError, match="one prompt per request") as err:
         req.prompt_input()
     assert err.value.param == "prompt"
 
 
 def test_an_error_body_carries_the_field_as_its_param():
-    with pytest.raises(RequestFieldError) as err:
+    with pytest.raises(InvalidRequestError) as err:
         parse(ChatCompletionRequest, _chat(tools=[{"type": "function"}]))
     body = error_body(str(err.value), "invalid_request_error", err.value.param)
     assert body["error"]["param"] == "tools" and body["error"]["message"].startswith("tools: ")
@@ -310,10 +337,34 @@ def test_n_choices_are_n_requests_with_their_own_seeds():
     assert parse(CompletionRequest, _completion()).n == 1
     assert parse(ChatCompletionRequest, _chat(n=4)).n == 4
     for bad in (0, 17, True):
-        with pytest.raises(RequestFieldError) as refused:
+        with pytest.raises(InvalidRequestError) as refused:
             parse(CompletionRequest, _completion(n=bad))
         assert refused.value.param == "n"
     unseeded = SamplingParams(temperature=0.7)
     assert choice_params(unseeded, 3) == [unseeded] * 3
     seeds = [p.seed for p in choice_params(SamplingParams(seed=2**63 - 1), 3)]
     assert seeds == [2**63 - 1, 0, 1]
+
+
+def test_a_body_is_read_as_json_up_to_its_limit():
+    app = FastAPI()
+
+    @app.post("/")
+    async def echo(raw: Request):
+        try:
+            return await json_body(raw)
+        except InvalidRequestError as e:
+            return JSONResponse({"refused": str(e)}, 400)
+
+    client = TestClient(app)
+    assert client.post("/", json={"a": 1}).json() == {"a": 1}
+    assert "must be a JSON object" in client.post("/", content=b"{oops").json()["refused"]
+    big = b'"' + b"x" * MAX_BODY_BYTES + b'"'
+    refused = client.post("/", content=big).json()["refused"]
+    assert f"at most {MAX_BODY_BYTES}" in refused
+
+    def chunked():  # no Content-Length: the limit holds while reading
+        for _ in range(MAX_BODY_BYTES // 2**20 + 1):
+            yield b" " * 2**20
+
+    assert f"at most {MAX_BODY_BYTES}" in client.post("/", content=chunked()).json()["refused"]

@@ -293,6 +293,9 @@ def test_bad_cache_salt_is_refused(model_dir):
     engine = _engine(model_dir)
     with pytest.raises(ValueError, match="cache_salt"):
         engine.add_request("r", [5, 6], GREEDY, cache_salt=7)
+    with pytest.raises(ValueError, match="cache_salt: not valid Unicode"):  # a lone surrogate
+        engine.add_request("r", [5, 6], GREEDY, cache_salt="\ud800")
+    assert engine.stats().num_waiting == 0
     with pytest.raises(ValueError, match="model_id"):
         EngineConfig(model=str(model_dir), model_id="")
 

@@ -45,7 +45,7 @@ def test_block_hashes_are_the_engines_hashes_under_the_salt(frontend):
 
 def test_out_of_vocabulary_token_ids_are_refused(frontend):
     ids = frontend.tokenize(PromptInput(token_ids=(1, 999)))
-    with pytest.raises(InvalidRequestError, match="prompt token ids must be in"):
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be integers in"):
         frontend.build_request("r", ids, SamplingParams(max_tokens=2), None)
 
 
@@ -68,6 +68,36 @@ def test_requests_beyond_the_context_or_vocabulary_are_refused(frontend):
         frontend.build_request("r", [1], SamplingParams(stop_token_ids=(5000,)), None)
     with pytest.raises(InvalidRequestError, match="at least one token"):
         frontend.build_request("r", [], SamplingParams(), None)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "stop", "salt", "param"),
+    [
+        (PromptInput(text="a\ud800b"), (), None, "prompt"),
+        (
+            PromptInput(messages=(("user", "ok"), ("user", "\udfff"))),
+            (),
+            None,
+            "messages.1.content",
+        ),
+        (PromptInput(text="ok"), ("\ud800",), None, "stop"),
+        (PromptInput(text="ok"), (), "\ud800", "cache_salt"),
+    ],
+)
+def test_a_lone_surrogate_is_the_clients_error_naming_the_field(
+    frontend, prompt, stop, salt, param
+):
+    # JSON can spell one ("\ud800"); no tokenizer or hash takes it.
+    with pytest.raises(InvalidRequestError, match="not valid Unicode") as err:
+        ids = frontend.tokenize(prompt)
+        frontend.build_request("r", ids, SamplingParams(max_tokens=2, stop=stop), salt)
+    assert err.value.param == param
+
+
+def test_a_prompts_length_counts_every_message():
+    assert PromptInput(text="abc").num_chars() == 3
+    assert PromptInput(messages=(("system", "ab"), ("user", "cde"))).num_chars() == 5
+    assert PromptInput(token_ids=(1, 2)).num_chars() == 0
 
 
 def test_a_prompt_is_exactly_one_kind():

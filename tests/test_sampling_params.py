@@ -7,21 +7,24 @@ import re
 
 import pytest
 
-from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from workers.engine.errors import InvalidRequestError
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_request
 
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("temperature", -0.1, "temperature must be >= 0"),
-        ("temperature", -math.inf, "temperature must be >= 0"),
-        ("temperature", math.nan, "temperature must be >= 0"),
+        ("temperature", -0.1, "temperature must be in [0, 100]"),
+        ("temperature", -math.inf, "temperature must be in [0, 100]"),
+        ("temperature", math.nan, "temperature must be in [0, 100]"),
+        ("temperature", 100.5, "temperature must be in [0, 100]"),
+        ("temperature", 1e39, "temperature must be in [0, 100]"),
         ("top_p", 0.0, "top_p must be in (0, 1]"),
         ("top_p", -0.5, "top_p must be in (0, 1]"),
         ("top_p", 1.0001, "top_p must be in (0, 1]"),
         ("top_p", math.nan, "top_p must be in (0, 1]"),
-        ("top_k", -1, "top_k must be an integer >= 0"),
-        ("top_k", 2.5, "top_k must be an integer >= 0"),
+        ("top_k", -2, "top_k must be an integer >= 0, or -1"),
+        ("top_k", 2.5, "top_k must be an integer >= 0, or -1"),
         ("max_tokens", 0, "max_tokens must be an integer >= 1"),
         ("max_tokens", -3, "max_tokens must be an integer >= 1"),
         ("max_tokens", 8.0, "max_tokens must be an integer >= 1"),
@@ -44,10 +47,15 @@ from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
     ],
 )
 def test_bad_value_names_field_and_range(field, value, message):
-    with pytest.raises(ValueError, match=re.escape(message)) as err:
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as err:
         SamplingParams(**{field: value})
-    # The offending value is echoed back too.
+    # The offending value is echoed back too, and the field is the error's param.
     assert repr(value) in str(err.value)
+    assert err.value.param == field
+
+
+def test_top_k_minus_one_means_off_as_in_vllm():
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
 
 
 @pytest.mark.parametrize("stop", ["", ["ok", ""], ("",), [5]])
@@ -186,3 +194,28 @@ def test_only_penalties_bias_and_min_tokens_adjust_the_logits():
         {"min_tokens": 2},
     ):
         assert SamplingParams(**kwargs).adjusts_logits
+
+
+@pytest.mark.parametrize("field", ["ignore_eos", "skip_special_tokens"])
+def test_flags_must_be_booleans(field):
+    with pytest.raises(InvalidRequestError, match=f"{field} must be true or false") as err:
+        SamplingParams(**{field: "false"})
+    assert err.value.param == field
+
+
+def test_a_token_biased_twice_is_refused():
+    with pytest.raises(InvalidRequestError, match=r"each token id once, got \[7\]"):
+        SamplingParams(logit_bias=[(7, 100.0), (8, 1.0), (7, 100.0)])
+
+
+def test_a_stop_string_must_be_valid_unicode():
+    with pytest.raises(InvalidRequestError, match="stop: not valid Unicode") as err:
+        SamplingParams(stop=["ok", "\ud800"])
+    assert err.value.param == "stop"
+
+
+@pytest.mark.parametrize("token", [True, 2.0, "5"])
+def test_prompt_token_ids_must_be_integers(token):
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be integers") as err:
+        check_request([3, token], SamplingParams(), vocab_size=320, max_model_len=64)
+    assert err.value.param == "prompt"

@@ -14,9 +14,12 @@ on it (the metrics test counts the bad-input tests' requests; the last test sees
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import openai
@@ -342,13 +345,24 @@ def test_bad_http_input_is_400_naming_the_field(service):
         ({"top_p": 7}, "top_p"),
         ({"max_tokens": 10**6}, "max_tokens"),
         ({"n": 17}, "n"),
-        ({"extra_body": {"top_k": -1}}, "top_k"),
+        ({"extra_body": {"top_k": -2}}, "top_k"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=model, prompt="Hi", **kwargs)
-        assert named in err.value.message
-    with pytest.raises(openai.NotFoundError):
+        assert named in err.value.message and err.value.param == named
+    body = f'{{"model": "{model}", "prompt": "Hi \\ud800"}}'  # JSON's lone surrogate
+    post = urllib.request.Request(f"{service['http']}/agg/v1/completions", body.encode())
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(post, timeout=30)
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["error"]["param"] == "prompt"
+    with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-model", prompt="Hi")
+    assert err.value.code == "model_not_found"
+    # The KV cache's 68 blocks of 16 tokens (48 MiB at 46080 bytes a token), not SmolLM2's
+    # 8192: what any request within it can run in.
+    assert client.models.retrieve(model).max_model_len == 1088
     ok = client.completions.create(model=model, prompt="Hi", max_tokens=2)
     assert ok.usage.completion_tokens == 2
 

@@ -7,8 +7,17 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.kv_transport import check_transport
+from workers.model.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_bytes_per_block(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
+) -> int:
+    """One KV block's bytes on one device (a TP rank holds its share of the KV heads)."""
+    per_token = 2 * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * dtype.itemsize
+    return per_token * block_size * cfg.num_hidden_layers
 
 
 @dataclass(frozen=True)
@@ -124,3 +133,34 @@ class EngineConfig:
     def resolved_dtype_name(self) -> str:
         """ "float32", "bfloat16" or "float16"."""
         return str(self.resolved_dtype()).removeprefix("torch.")
+
+    def num_blocks(self, model: ModelConfig) -> int:
+        """KV-cache blocks per device: `num_kv_blocks`, or as many as `kv_cache_bytes`
+        holds."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        tp = self.tensor_parallel_size
+        per_block = kv_cache_bytes_per_block(model, self.block_size, self.resolved_dtype(), tp)
+        if self.kv_cache_bytes < per_block:
+            raise ValueError(
+                f"kv_cache_bytes={self.kv_cache_bytes} holds no KV block of this model "
+                f"({per_block} bytes per block of {self.block_size} tokens on each device); "
+                "raise kv_cache_bytes"
+            )
+        return self.kv_cache_bytes // per_block
+
+    def context_length(self, model: ModelConfig) -> int:
+        """Tokens one request may span, prompt and output: the model's context length, or
+        `max_model_len` below it, and never more than the KV cache holds, so that any
+        request within it can run. ValueError if `max_model_len` asks for more than the
+        cache holds (as vLLM refuses to start)."""
+        model_max = model.max_position_embeddings
+        limit = min(self.max_model_len or model_max, model_max)
+        cache_tokens = self.num_blocks(model) * self.block_size
+        if self.max_model_len is not None and limit > cache_tokens:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is more than the KV cache's "
+                f"{cache_tokens} tokens (kv_cache_bytes={self.kv_cache_bytes}); raise "
+                "kv_cache_bytes or lower max_model_len"
+            )
+        return min(limit, cache_tokens)

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from workers.engine.block_hash import BlockHash
-from workers.engine.config import EngineConfig
-from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.config import EngineConfig, kv_cache_bytes_per_block
 from workers.engine.errors import InvalidRequestError
 from workers.engine.handoff import HeldHandoffs, KVImports
 from workers.engine.kv_cache_manager import KVCacheManager, KVEventCallback
@@ -26,7 +25,6 @@ from workers.engine.model_runner import (
     RunnerSpec,
     SeqChunk,
     StepInput,
-    kv_cache_bytes_per_block,
 )
 from workers.engine.outputs import EngineStats, RequestOutput, merge_outputs
 from workers.engine.sampling_params import (
@@ -67,14 +65,11 @@ class LLMEngine:
             )
         self.use_thread()
         self.tokenizer = tokenizer or Tokenizer(model_dir)
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
+        self.max_model_len = config.context_length(self.model_config)
         dtype = config.resolved_dtype()
         # The budget is per device: each rank holds its KV heads' slice of every block.
         per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, dtype, tp)
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // per_block
+        num_blocks = config.num_blocks(self.model_config)
         self.kv_cache_bytes = num_blocks * per_block * tp  # all ranks together
         self.kv = KVCacheManager(
             num_blocks,
@@ -156,38 +151,18 @@ class LLMEngine:
         if request_id in self._requests or request_id in self.handoffs:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
-        check_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError(
-                f"cache_salt must be a string or None, got {type(cache_salt)}"
-            )
-        total = len(prompt) + params.max_tokens
-        if self.kv.blocks_for_tokens(total) > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {total} tokens exceeds the KV cache "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens); lower max_tokens"
-            )
+        check_request(prompt, params, self.model_config.vocab_size, self.max_model_len, cache_salt)
         if params.stop and not self.config.detokenize:
             raise ValueError(
                 "stop strings need an engine that detokenizes (EngineConfig.detokenize=True); "
                 "a front end that detokenizes applies them itself"
             )
-        detokenizer = (
-            IncrementalDetokenizer(
-                self.tokenizer.hf, prompt, params.stop, params.skip_special_tokens
-            )
-            if self.config.detokenize
-            else None
-        )
-        return Sequence(
+        return Sequence.start(
             request_id,
             prompt,
             params,
-            detokenizer=detokenizer,
-            generator=(
-                torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-            ),
-            cache_salt=cache_salt,
+            cache_salt,
+            self.tokenizer.hf if self.config.detokenize else None,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -364,9 +339,21 @@ class LLMEngine:
         return self.runner.live_exports()
 
     def _admit_imports(self, now: float) -> None:
-        for seq, handle in self.imports.admit(self.config.max_num_seqs):
-            token, logprob = handle.first_token, handle.first_logprob
-            self._outbox.append(self._append_token(seq, token, logprob, now))
+        admitted = self.imports.admit(self.config.max_num_seqs)
+        if self.imports.pending and not self.scheduler.running:
+            # None fit, and nothing runs that would free blocks: the queued imports'
+            # pinned prefixes hold the pool. All but the oldest go on by recompute.
+            for seq, handle in self.imports.unpin_stuck():
+                self._first_token(seq, handle, now)
+                if not seq.finished:
+                    self.scheduler.preempt(seq)
+            admitted += self.imports.admit(self.config.max_num_seqs)
+        for seq, handle in admitted:
+            self._first_token(seq, handle, now)
+
+    def _first_token(self, seq: Sequence, handle: KVHandle, now: float) -> None:
+        """An imported request's first token, sampled by the engine that prefilled it."""
+        self._outbox.append(self._append_token(seq, handle.first_token, handle.first_logprob, now))
 
     # -- convenience ---------------------------------------------------------
 

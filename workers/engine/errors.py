@@ -6,7 +6,13 @@ from __future__ import annotations
 class InvalidRequestError(ValueError):
     """A request that can never run as given, its message naming the field and the allowed
     range: the client's to fix (gRPC INVALID_ARGUMENT, HTTP 400). Any other exception in
-    serving a request is the service's fault, however it is typed."""
+    serving a request is the service's fault, however it is typed. `param` is the field at
+    fault, as the client spelled it (the OpenAI error body's `param`); None when no one
+    field is."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineOverloadedError(RuntimeError):

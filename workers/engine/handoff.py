@@ -259,6 +259,17 @@ class KVImports:
             admitted.append((p.seq, p.handle))
         return admitted
 
+    def unpin_stuck(self) -> list[tuple[Sequence, KVHandle]]:
+        """Every queued import but the oldest, taken out of the queue with its prefetched
+        KV released: for when none of them fit and nothing runs that would free blocks,
+        as the prefixes they pin can hold the pool between them. The caller frees their
+        blocks and has them recomputed, as after a preemption; the oldest then fits."""
+        keep, *stuck = self.pending
+        self.pending = deque([keep])
+        for p in stuck:
+            self.runner.release_prefetched(p.parts)
+        return [(p.seq, p.handle) for p in stuck]
+
     def discard(self, seq: Sequence) -> None:
         """Forgets a queued handoff (aborted) and anything prefetched for it; its pinned
         blocks are freed by the caller."""

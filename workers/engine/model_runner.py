@@ -14,7 +14,6 @@ import torch
 from workers.engine import kv_transfer, kv_transport
 from workers.engine.kv_transport import KVPart
 from workers.model.attention import AttentionMetadata, PrefillChunk, decode_cache_rows
-from workers.model.config import ModelConfig
 from workers.model.loader import load_model
 from workers.model.parallel import TPGroup
 
@@ -50,13 +49,6 @@ class RunnerSpec:
     max_model_len: int
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-
-
-def kv_cache_bytes_per_block(
-    cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
-) -> int:
-    per_token = 2 * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * dtype.itemsize
-    return per_token * block_size * cfg.num_hidden_layers
 
 
 class ModelRunner:

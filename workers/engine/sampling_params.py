@@ -13,6 +13,9 @@ MAX_LOGIT_BIAS = 100.0
 MAX_REPETITION_PENALTY = 10.0
 # Below this, logits / temperature overflows float32; such requests mean greedy.
 MIN_TEMPERATURE = 1e-5
+# Above this the distribution is as flat as it gets over a model's logits, and far above
+# it (past float32's range) logits / temperature would turn banned tokens into NaN.
+MAX_TEMPERATURE = 100.0
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 means off
+    top_k: int = 0  # 0 (or -1, as in vLLM) means off
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -52,11 +55,22 @@ class SamplingParams:
         numbers = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
         for name in (*numbers, "repetition_penalty", "min_p"):
             if not _is_number(getattr(self, name)):
-                raise InvalidRequestError(f"{name} must be a number, got {getattr(self, name)!r}")
+                raise InvalidRequestError(
+                    f"{name} must be a number, got {getattr(self, name)!r}", param=name
+                )
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(
+                    f"{name} must be true or false, got {getattr(self, name)!r}", param=name
+                )
         for name in ("max_tokens", "top_k", "seed", "logprobs", "min_tokens"):
             if isinstance(getattr(self, name), bool):
-                raise InvalidRequestError(f"{name} must be an integer, got {getattr(self, name)!r}")
+                raise InvalidRequestError(
+                    f"{name} must be an integer, got {getattr(self, name)!r}", param=name
+                )
         self._validate()
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         bias = tuple(sorted((t, float(b)) for t, b in self.logit_bias))
         object.__setattr__(self, "logit_bias", bias)
 
@@ -79,90 +93,143 @@ class SamplingParams:
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(
-                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
             )
-        if not self.temperature >= 0.0:  # also rejects NaN
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # also rejects NaN
             raise InvalidRequestError(
-                f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), "
+                f"got {self.temperature!r}",
+                param="temperature",
             )
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
             raise InvalidRequestError(
-                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
+                f"top_k must be an integer >= 0, or -1 (0 and -1 = off), got {self.top_k!r}",
+                param="top_k",
             )
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise InvalidRequestError(
+                f"seed must be an integer in [0, 2**63), got {self.seed!r}", param="seed"
+            )
         if self.logprobs is not None and not (
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise InvalidRequestError(
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                param="logprobs",
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError(
-                f"stop must be a list of non-empty strings, got {list(self.stop)!r}"
+                f"stop must be a list of non-empty strings, got {list(self.stop)!r}", param="stop"
             )
+        for stop in self.stop:
+            check_text(stop, "stop")
         if any(not isinstance(t, int) for t in self.stop_token_ids):
             raise InvalidRequestError(
-                f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}"
+                f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}",
+                param="stop_token_ids",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # also rejects NaN
                 raise InvalidRequestError(
                     f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
-                    f"got {getattr(self, name)!r}"
+                    f"got {getattr(self, name)!r}",
+                    param=name,
                 )
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidRequestError(
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
-                f"got {self.repetition_penalty!r}"
+                f"got {self.repetition_penalty!r}",
+                param="repetition_penalty",
             )
         if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                f"got {self.min_tokens!r}"
+                f"got {self.min_tokens!r}",
+                param="min_tokens",
             )
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+            raise InvalidRequestError(
+                f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}", param="min_p"
+            )
         for pair in self.logit_bias:
             ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_int(pair[0])
             if not ok or not _is_number(pair[1]) or not abs(pair[1]) <= MAX_LOGIT_BIAS:
                 raise InvalidRequestError(
                     f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, "
-                    f"{MAX_LOGIT_BIAS:g}], got {pair!r}"
+                    f"{MAX_LOGIT_BIAS:g}], got {pair!r}",
+                    param="logit_bias",
                 )
+        biased = [token for token, _ in self.logit_bias]
+        if len(set(biased)) != len(biased):  # two biases would add up past the range
+            twice = sorted({t for t in biased if biased.count(t) > 1})
+            raise InvalidRequestError(
+                f"logit_bias must name each token id once, got {twice[:5]} more than once",
+                param="logit_bias",
+            )
 
     def check_against(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in its vocabulary."""
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+            raise InvalidRequestError(
+                f"stop_token_ids must be in [0, {vocab_size}), got {bad}", param="stop_token_ids"
+            )
         bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"logit_bias token ids must be in [0, {vocab_size}), got {bad[:5]}"
+                f"logit_bias token ids must be in [0, {vocab_size}), got {bad[:5]}",
+                param="logit_bias",
             )
 
 
 def check_request(
-    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    cache_salt: str | None = None,
 ) -> None:
     """What every request must satisfy on this model, wherever it is checked first (the
     router, before it costs a replica anything; the engine, for any other caller)."""
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str):
+            raise InvalidRequestError(
+                f"cache_salt must be a string or None, got {type(cache_salt)}",
+                param="cache_salt",
+            )
+        check_text(cache_salt, "cache_salt")  # hashed as UTF-8 at every prefix lookup
     if not prompt_token_ids:
-        raise InvalidRequestError("prompt must contain at least one token")
-    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        raise InvalidRequestError("prompt must contain at least one token", param="prompt")
+    bad = [t for t in prompt_token_ids if not (_is_int(t) and 0 <= t < vocab_size)]
     if bad:
-        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        raise InvalidRequestError(
+            f"prompt token ids must be integers in [0, {vocab_size}), got {bad[:5]!r}",
+            param="prompt",
+        )
     params.check_against(vocab_size)
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise InvalidRequestError(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
             f"{total} exceeds the context length {max_model_len}; shorten the prompt or "
-            "lower max_tokens"
+            "lower max_tokens",
+            param="max_tokens",
         )
+
+
+def check_text(text: str, field: str) -> str:
+    """`text`, if it is valid Unicode: JSON can spell a lone UTF-16 surrogate ("\\ud800"),
+    which no tokenizer, hash or stop-string match takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{field}: not valid Unicode text (a lone surrogate at character {e.start})",
+            param=field,
+        ) from None
+    return text
 
 
 def stops_on_token(token: int, params: SamplingParams, eos_token_ids) -> bool:
@@ -182,7 +249,7 @@ def _is_number(value: object) -> bool:
 def _as_tuple(value: object, name: str) -> tuple:
     if isinstance(value, (list, tuple)):
         return tuple(value)
-    raise InvalidRequestError(f"{name} must be a list, got {value!r}")
+    raise InvalidRequestError(f"{name} must be a list, got {value!r}", param=name)
 
 
 @dataclass(frozen=True)

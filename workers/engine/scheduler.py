@@ -94,7 +94,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()
-                self._preempt(victim)
+                self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
@@ -176,7 +176,9 @@ class Scheduler:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = cached
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Frees a sequence's blocks and queues it first, to be recomputed (prompt and
+        output so far) when blocks allow."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

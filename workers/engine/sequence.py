@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from workers.engine.block_hash import BlockHash
 from workers.engine.detokenizer import IncrementalDetokenizer
@@ -57,6 +58,34 @@ class Sequence:
     draft_pause: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+
+    @classmethod
+    def start(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        tokenizer: HFTokenizer | None,
+    ) -> Sequence:
+        """A new request's sequence: its own generator if seeded, and text (stop strings
+        included) made as it goes if given the tokenizer."""
+        detokenizer = (
+            IncrementalDetokenizer(
+                tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
+            )
+            if tokenizer is not None
+            else None
+        )
+        seeded = params.seed is not None
+        return cls(
+            request_id,
+            prompt_token_ids,
+            params,
+            detokenizer=detokenizer,
+            generator=torch.Generator().manual_seed(params.seed) if seeded else None,
+            cache_salt=cache_salt,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -52,6 +52,9 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         if raw.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported (no Llama-family release uses it)")
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported; Llama-family MLPs use 'silu'")
         # Transformers 5 writes rope settings (theta included) as rope_parameters.
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         attention_bias = bool(raw.get("attention_bias", False))
@@ -68,7 +71,7 @@ class ModelConfig:
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_context_length(raw, model_type),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always biases Q/K/V but not O; Llama's attention_bias covers all four.
             qkv_bias=attention_bias or model_type == "qwen2",
@@ -95,6 +98,18 @@ class ModelConfig:
             for d in range(1, self.num_key_value_heads + 1)
             if self.num_key_value_heads % d == 0 and self.num_attention_heads % d == 0
         ]
+
+
+def _context_length(raw: dict[str, Any], model_type: str) -> int:
+    """The context the model runs at here. Attention here is over the whole context,
+    which is what a sliding window (Mistral v0.1's 4096; Qwen2's when it turns
+    use_sliding_window on) attends to as long as the sequence fits in it: the context
+    stops at the window, so that output never differs from the model's own."""
+    length = int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window")
+    if window and (model_type == "mistral" or raw.get("use_sliding_window")):
+        return min(length, int(window))
+    return length
 
 
 def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:

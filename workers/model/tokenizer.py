@@ -78,7 +78,9 @@ class Tokenizer:
         return None if text is None else self.hf.token_to_id(text)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, unlike encode, releases the GIL while it works: a long prompt
+        # tokenized on a worker thread then leaves the caller's event loop running.
+        return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,37 @@
+"""ModelConfig: what a Hugging Face config.json says, and what it may not ask for."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.model.config import ModelConfig
+
+BASE = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 32768,
+}
+
+
+@pytest.mark.parametrize(
+    ("fields", "context"),
+    [
+        ({"model_type": "llama", "sliding_window": 4096}, 32768),  # Llama has no window
+        ({"model_type": "mistral", "sliding_window": 4096}, 4096),  # Mistral 7B v0.1
+        ({"model_type": "mistral", "sliding_window": None}, 32768),  # v0.2 and later
+        ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, 32768),
+        ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, 4096),
+    ],
+)
+def test_a_sliding_window_caps_the_context_where_it_applies(fields, context):
+    # Whole-context attention equals the window's while the sequence fits in it.
+    assert ModelConfig.from_dict({**BASE, **fields}).max_position_embeddings == context
+
+
+def test_an_mlp_activation_other_than_silu_is_refused():
+    assert ModelConfig.from_dict({**BASE, "hidden_act": "silu"}).hidden_size == 64
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        ModelConfig.from_dict({**BASE, "hidden_act": "gelu"})
