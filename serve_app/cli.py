@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import sys
 import uuid
 
@@ -353,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ModelFetchError, ConnectionError, TimeoutError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        # The service's failure, not the command line's (a deploy that failed, a
+        # `ray start` that did not): said in one line, as the rest, with exit status 1.
+        print(f"baton: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

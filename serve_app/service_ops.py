@@ -119,10 +119,12 @@ def deploy(
         # chart sets the same variables on its pods.
         controller_options={"runtime_env": {"env_vars": dict(SERVE_ENV)}},
     )
-    _run_within(app, app_name, route_prefix, timeout_s)
+    # Stored first: Serve goes on deploying after a timeout here, and `baton scale` must
+    # still find the config then.
     board = get_or_create_board(config.status_board_name)
     deployed = {"config": config.model_dump(mode="json"), "route_prefix": route_prefix}
     ray.get(board.set_config.remote(app_name, deployed))
+    _run_within(app, app_name, route_prefix, timeout_s)
 
 
 def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) -> None:

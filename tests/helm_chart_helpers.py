@@ -80,7 +80,10 @@ AUTOSCALING = {
             "targetOngoingRequests": 8,
         },
     },
-    "decode": {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 10}},
+    "decode": {
+        "maxPods": 12,
+        "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 10},
+    },
     "rayAutoscaler": {"idleTimeoutSeconds": 120, "upscalingMode": "Conservative"},
     "podMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},

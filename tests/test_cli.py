@@ -9,6 +9,7 @@ import typing
 import pytest
 from tiny_model import make_tiny_model
 
+from serve_app import cli
 from serve_app.cli import main
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
@@ -86,6 +87,22 @@ def test_bad_arguments_exit_2_with_the_field_named(model_dir, args, message, cap
     captured = capsys.readouterr()
     assert message in captured.err
     assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("deploying application 'baton' failed: replica crashed"),
+        subprocess.CalledProcessError(1, ["ray", "start", "--head"]),
+    ],
+)
+def test_a_failure_of_the_service_is_one_line_and_exit_1(failure, monkeypatch, capsys):
+    def fail(args):
+        raise failure
+
+    monkeypatch.setitem(cli._COMMANDS, "status", fail)
+    assert main(["status"]) == 1
+    assert capsys.readouterr().err == f"baton: error: {failure}\n"
 
 
 @pytest.mark.parametrize(

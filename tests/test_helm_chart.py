@@ -66,6 +66,12 @@ def test_lint_strict_is_clean(values):
             ["decode.replicas (9)", "1..4"],
         ),
         ({"decode": {"rayResource": "baton_prefill"}}, ["decode.rayResource", "prefill"]),
+        ({"prefill": {"replicas": 9}}, ["prefill.maxPods (8) must be >= prefill.replicas (9)"]),
+        (
+            {"decode": {"autoscaling": {"enabled": True, "maxReplicas": 12}}},
+            ["decode.maxPods (8) must be >= decode.autoscaling.maxReplicas (12)"],
+        ),
+        ({"decode": {"maxPods": 0}}, ["/decode/maxPods", "minimum"]),
         ({"prefill": {"replicas": 0}}, ["prefill.replicas must be >= 1", "autoscaling"]),
         ({"sharedMemory": {"sizeLimit": "lots"}}, ["/sharedMemory/sizeLimit", "pattern"]),
         ({"decode": {"terminationGracePeriodSeconds": 5}}, ["terminationGracePeriodSeconds"]),

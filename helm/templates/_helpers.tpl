@@ -86,6 +86,13 @@ message naming the value. Included once, from the RayService template.
 {{- fail (printf "%s.replicas (%d) is the starting count and must lie within %s.autoscaling.minReplicas..maxReplicas (%d..%d)" $role (int $pool.replicas) $role $min $max) }}
 {{- end }}
 {{- end }}
+{{- $most := dict "name" "replicas" "count" (int $pool.replicas) }}
+{{- if $pool.autoscaling.enabled }}
+{{- $most = dict "name" "autoscaling.maxReplicas" "count" (int $pool.autoscaling.maxReplicas) }}
+{{- end }}
+{{- if gt $most.count (int $pool.maxPods) }}
+{{- fail (printf "%s.maxPods (%d) must be >= %s.%s (%d): the group's pods are capped there" $role (int $pool.maxPods) $role $most.name $most.count) }}
+{{- end }}
 {{- if and (not $pool.autoscaling.enabled) (lt (int $pool.replicas) 1) }}
 {{- fail (printf "%s.replicas must be >= 1 (got %d), or enable %s.autoscaling to let it scale from zero" $role (int $pool.replicas) $role) }}
 {{- end }}
