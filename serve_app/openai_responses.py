@@ -8,7 +8,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.errors import public_error, root_cause
 from workers.engine.outputs import RequestOutput
@@ -182,6 +184,13 @@ def http_error(exc: BaseException) -> JSONResponse:
     headers = {"Retry-After": "1"} if status == 503 else None
     body = error_body(message, HTTP_ERROR_TYPE.get(kind, kind), param)
     return JSONResponse(body, status, headers=headers)
+
+
+async def openai_http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """The response for a path or method the app does not serve (FastAPI's 404 / 405)."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    message = f"{exc.detail}: {raw.method} {raw.url.path}"
+    return JSONResponse(error_body(message, kind), exc.status_code, headers=exc.headers)
 
 
 async def sse_events(

@@ -39,7 +39,13 @@ from serve_app.grpc_service import (
     status_for,
 )
 from serve_app.metrics import RouterMetrics
-from serve_app.openai_responses import ResponseBuilder, error_body, http_error, sse_events
+from serve_app.openai_responses import (
+    ResponseBuilder,
+    error_body,
+    http_error,
+    openai_http_error,
+    sse_events,
+)
 from serve_app.output_mux import OutputDemux
 from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
 from serve_app.prompts import ModelFrontend, PromptInput
@@ -59,13 +65,8 @@ SERVICE_NAME = "baton.v1.Baton"
 INLINE_TOKENIZE_CHARS = 16_384
 http_app = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton service")
 
-
-@http_app.exception_handler(StarletteHTTPException)
-async def _openai_http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """An unknown path or method answers in OpenAI's error shape, as every other error."""
-    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    message = f"{exc.detail}: {raw.method} {raw.url.path}"
-    return JSONResponse(error_body(message, kind), exc.status_code, headers=exc.headers)
+# An unknown path or method answers in OpenAI's error shape, as every other error.
+http_app.add_exception_handler(StarletteHTTPException, openai_http_error)
 
 
 def _set_status(grpc_context: RayServegRPCContext, exc: BaseException) -> None:
