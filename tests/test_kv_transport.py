@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from tiny_model import make_tiny_model
@@ -153,6 +155,42 @@ def test_nixl_leaves_the_data_with_its_exporter_until_fetched(ray_cluster):
         (cut,) = ray.get(exporter.export.remote((1,)))
         assert [(a, b) for a, b, _ in cut.pieces] == [(0, 1), (1, 3)]
         assert torch.equal(ray.get(importer.fetch.remote([cut])).data, kv.data)
+    finally:
+        ray.kill(exporter)
+        ray.kill(importer)
+
+
+@pytest.mark.slow
+def test_concurrent_nixl_fetches_from_one_exporter_all_arrive(ray_cluster):
+    """A decode replica pulls its handoffs on threads of its own. Ray's nixl fetch caches
+    the exporter's agent metadata without a lock: unserialized, these fetches crashed
+    the importing process (a segfault in NIXL's add_remote_agent)."""
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Exporter:
+        def export(self, seed: int) -> KVRef:
+            # Fresh memory each time, released once fetched: the exporter's agent
+            # metadata changes version as handoffs come and go.
+            data = torch.randn(2, 2, 3, 4, 16, 8, generator=torch.Generator().manual_seed(seed))
+            return publish(KVBlocks(data, 0, 1, 0), "nixl")
+
+    @ray.remote(num_cpus=0)
+    class Importer:
+        def fetch_many(self, exporter, seeds: list[int]) -> list[bool]:
+            def one(seed: int) -> bool:
+                kv = fetch(ray.get(exporter.export.remote(seed)))
+                expected = torch.randn(
+                    2, 2, 3, 4, 16, 8, generator=torch.Generator().manual_seed(seed)
+                )
+                return torch.equal(kv.data, expected)
+
+            with ThreadPoolExecutor(8) as pool:
+                return list(pool.map(one, seeds))
+
+    exporter, importer = Exporter.remote(), Importer.remote()
+    try:
+        assert ray.get(importer.fetch_many.remote(exporter, list(range(64)))) == [True] * 64
     finally:
         ray.kill(exporter)
         ray.kill(importer)

@@ -28,6 +28,13 @@ tells what a process still holds.
 
 Every process that exports or fetches over nixl first installs its own NIXL agent
 (`nixl_agent.install_nixl_agent`), one whose progress thread does not spin.
+
+A process fetches one direct-transport object at a time (`_fetch_lock`): Ray 2.60's
+nixl fetch loads the exporter's agent metadata into a per-process cache without a
+lock, and two threads fetching from one exporter at once crashed the importer
+(a segfault in NIXL's `add_remote_agent`, 8 threads fetching from one exporter) or
+failed the transfer (`NIXL_ERR_INVALID_PARAM` from `loadRemoteMD`). A decode replica
+pulls its handoffs on threads of its own, so they would meet there.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ TRANSPORTS = ("object_store", "nixl")
 # This process's exported slices that Ray still holds for an importer (see live_exports).
 _exported: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 _exported_lock = threading.Lock()  # exports run on the engine thread, live_exports on any
+_fetch_lock = threading.Lock()  # one direct-transport fetch per process (see above)
 
 
 @dataclass(frozen=True)
@@ -178,7 +186,8 @@ def _fetch_heads(part: KVRef, lo: int, hi: int) -> torch.Tensor:
     install_nixl_agent()
     wanted = [(a, b, ref) for a, b, ref in part.pieces if a < hi and lo < b]
     try:
-        datas = ray.get([ref for _, _, ref in wanted])
+        with _fetch_lock:
+            datas = ray.get([ref for _, _, ref in wanted])
     except Exception as e:  # what Ray raises depends on the transport and the failure
         cause = getattr(e, "cause", None) or e  # a task error's own exception, no traceback
         raise KVTransferError(
