@@ -362,6 +362,7 @@ class EngineServer:
             **self.engine_setup,
             "engine": asdict(self.engine.stats()),
             "handoff": asdict(self.handoff),
+            "pending_prefills": self._pending_prefills,
             "mux": self.channels.stats(),
             "gpus": self.gpus.to_dict(),
         }

@@ -6,8 +6,13 @@ import asyncio
 
 import grpc
 import pytest
-from ray.exceptions import RayTaskError
-from ray.serve.exceptions import RequestCancelledError
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    RequestCancelledError,
+)
 
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.grpc_service import (
@@ -125,6 +130,17 @@ def _wrapped(exc: BaseException) -> RayTaskError:
         (ValueError("value must be >0, got 0"), grpc.StatusCode.INTERNAL),
         (EngineOverloadedError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (EngineDeadError("dead"), grpc.StatusCode.UNAVAILABLE),
+        # Serve's own refusals: a deployment's queue is full, or it has no replica.
+        (
+            BackPressureError(num_queued_requests=3, max_queued_requests=2),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        (
+            DeploymentUnavailableError(DeploymentID(name="DecodeServer", app_name="baton")),
+            grpc.StatusCode.UNAVAILABLE,
+        ),
+        # The replica's process died mid-call.
+        (RayActorError(), grpc.StatusCode.UNAVAILABLE),
         # The router lost its output subscription to the replica carrying the request.
         (SubscriptionLost("the subscription to replica r failed"), grpc.StatusCode.UNAVAILABLE),
         (asyncio.CancelledError(), grpc.StatusCode.CANCELLED),

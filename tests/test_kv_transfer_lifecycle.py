@@ -3,8 +3,8 @@ blocks, and handoffs refused (a stale or bad skip, a mismatched handle or data).
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from kv_transfer_helpers import (
@@ -20,6 +20,7 @@ from kv_transfer_helpers import (
 )
 from tiny_model import make_tiny_model
 
+from workers.engine import engine as engine_module
 from workers.engine.kv_transfer import StalePrefixError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
@@ -42,16 +43,19 @@ def test_a_skip_of_blocks_decode_no_longer_holds_is_refused_and_retried(model_di
     _assert_all_free(prefill, decode)
 
 
-def test_held_blocks_expire_after_the_timeout(model_dir):
-    # Long enough that a stalled machine cannot expire it before the first check.
+def test_held_blocks_expire_after_the_timeout(model_dir, monkeypatch):
+    now = [1000.0]  # the engine's clock, moved by hand
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
     prefill = _engine(model_dir, handoff_timeout_s=2.0)
     _prefill(prefill, "r", _tokens(40, seed=50))
     stats = prefill.stats()
     assert stats.handoffs_held == 1 and stats.num_free_blocks == stats.num_total_blocks - 3
     assert not prefill.has_unfinished()  # holding is not work
     prefill.step()
+    now[0] += 1.9
+    prefill.step()
     assert prefill.stats().handoffs_held == 1
-    time.sleep(2.1)
+    now[0] += 0.2
     prefill.step()
     assert prefill.stats().handoffs_expired == 1
     with pytest.raises(ValueError, match="holds no KV handoff"):

@@ -76,5 +76,22 @@ def test_a_failing_later_choice_fails_the_request_as_the_client_saw_it():
 
 def test_time_to_first_token_is_the_first_token_of_any_choice():
     metrics = CountedRequests()
-    _run(metrics, _choice(1, delay=1.0), _choice(1, delay=0.0))
-    assert metrics.ttfts[0] < 0.5  # the fast choice's, with room for a stalled machine
+    first_seen = asyncio.Event()
+
+    async def slow_choice():
+        await first_seen.wait()  # its token comes only after the client saw the other's
+        async for output in _choice(1):
+            yield output
+
+    async def consume() -> list[int]:
+        counted = metrics.request(
+            "http", time.perf_counter(), merge_streams([slow_choice(), _choice(1)])
+        )
+        ttfts_at_each_pair = []
+        async for _ in counted:
+            ttfts_at_each_pair.append(len(metrics.ttfts))
+            first_seen.set()
+        return ttfts_at_each_pair
+
+    # Counted when the fast choice's token reached the client, once.
+    assert asyncio.run(consume()) == [1, 1]

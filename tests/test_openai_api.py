@@ -240,9 +240,20 @@ def test_unsupported_settings_are_refused_not_ignored(model, field, value, accep
 
 
 @pytest.mark.parametrize("field", sorted(UNSUPPORTED))
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_every_unsupported_field_is_refused_naming_itself(model, field):
+    body = (_chat if model is ChatCompletionRequest else _completion)(**{field: {"x": 1}})
+    with pytest.raises(InvalidRequestError) as err:
+        parse(model, body)
+    assert err.value.param == field and str(err.value).startswith(f"{field}: ")
+    neutral = UNSUPPORTED[field][0]
+    assert ("accepted: " if neutral else "leave it out") in str(err.value)
+
+
+@pytest.mark.parametrize("field", sorted(f for f, (neutral, _) in UNSUPPORTED.items() if neutral))
 def test_the_neutral_values_of_unsupported_fields_are_accepted(field):
     for value in UNSUPPORTED[field][0]:
-        parse(ChatCompletionRequest, _chat(**{field: value}))
+        parse(ChatCompletionRequest, _chat(**{field: value}))  # raises if refused
         parse(CompletionRequest, _completion(**{field: value}))
 
 

@@ -140,6 +140,14 @@ def _tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
+async def _eventually(condition, timeout_s: float = 10.0) -> None:
+    """Waits until `condition()` holds: what the other tasks do next takes a few loop turns."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.001)
+
+
 def test_the_first_request_streams_on_its_call_and_later_ones_share_a_subscription():
     async def main():
         svc = Service()
@@ -148,14 +156,21 @@ def test_the_first_request_streams_on_its_call_and_later_ones_share_a_subscripti
         assert svc.channels.stats()["num_muxed_requests"] == 0
 
         rids = [f"r{i}" for i in range(1, 5)]
-        tasks = [asyncio.ensure_future(_collect(svc.request(r)[1])) for r in rids]
+        received: dict[str, list[RequestOutput]] = {r: [] for r in rids}
+
+        async def collect(rid: str) -> None:
+            async for out in svc.request(rid)[1]:
+                received[rid].append(out)
+
+        tasks = [asyncio.ensure_future(collect(r)) for r in rids]
         await svc.engine.wait_for(*rids)
         for token in range(1, 4):
             svc.engine.step(token)
-            await asyncio.sleep(0.01)  # the router reads each step before the next
+            # Every consumer has this step's token before the next step is taken.
+            await _eventually(lambda t=token: all(_tokens(received[r])[-1:] == [t] for r in rids))
         svc.engine.step(4, finish=True)
-        for task in tasks:
-            outs = await task
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        for outs in received.values():
             assert _tokens(outs) == [1, 2, 3, 4] and outs[-1].finished
         stats = svc.channels.stats()
         assert stats["num_muxed_requests"] == 4
@@ -218,8 +233,7 @@ def test_a_muxed_requests_error_reaches_its_consumer():
         svc.engine.queues["bad"].put_nowait(ValueError("temperature must be >= 0"))
         with pytest.raises(ValueError, match="temperature"):
             await _collect(outputs)
-        await asyncio.sleep(0.01)
-        assert svc.engine.closed >= {"bad"}
+        await _eventually(lambda: svc.engine.closed >= {"bad"})
         assert svc.channels.stats()["num_muxed_requests"] == 1
 
     asyncio.run(main())
@@ -231,8 +245,7 @@ def test_a_consumer_that_leaves_cancels_its_call_and_the_engine_stream_closes():
         call, outputs = await svc.decoding("left")
         call.cancel()  # what the router does when its client leaves
         await outputs.aclose()
-        await asyncio.sleep(0.01)
-        assert "left" in svc.engine.closed
+        await _eventually(lambda: "left" in svc.engine.closed)
         assert svc.demux.num_requests == 0
         # The subscription carries on for the other requests.
         assert await svc.run_alone("next", 2) == [2]
@@ -249,8 +262,7 @@ def test_a_lost_subscription_fails_the_requests_it_carried_on_both_sides():
         with pytest.raises(SubscriptionLost):
             await anext(outputs)
         call.cancel()
-        await asyncio.sleep(0.01)
-        assert "carried" in svc.engine.closed
+        await _eventually(lambda: "carried" in svc.engine.closed)
         assert svc.channels.stats()["open_subscriptions"] == 0
 
     asyncio.run(main())
@@ -277,8 +289,8 @@ def test_a_subscription_that_lands_on_another_replica_is_cancelled():
         elsewhere = OutputChannels("replica-b")
         svc = Service(elsewhere=elsewhere)
         assert await svc.run_alone("r0", 1) == [1]
-        await asyncio.sleep(0.01)
-        assert len(svc.subscriptions) == 1 and svc.subscriptions[0].done()
+        await _eventually(lambda: svc.subscriptions and svc.subscriptions[0].done())
+        assert len(svc.subscriptions) == 1
         assert elsewhere.stats()["open_subscriptions"] == 0
         assert svc.demux.subscribed == set()
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from serve_app.request_routing import Candidate, rank_candidates
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from serve_app.protocol import ROUTING_HINT_ATTR, Subscription
+from serve_app.request_routing import Candidate, KVAwareRequestRouter, rank_candidates
 
 
 def _c(rid: str, prefix: int = 0, load: int = 0, free: float = 1.0) -> Candidate:
@@ -36,3 +42,53 @@ def test_exact_ties_are_broken_at_random_so_new_replicas_get_traffic():
 
 def test_no_candidates_rank_to_nothing():
     assert rank_candidates([]) == []
+
+
+# KVAwareRequestRouter.choose_replicas reads only these of Serve's objects, so they stand
+# in for a running Serve here.
+def _replica(rid: str, **routing_stats) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats=routing_stats)
+
+
+def _router(queue_lens: dict[str, int] | None = None) -> KVAwareRequestRouter:
+    router = KVAwareRequestRouter.__new__(KVAwareRequestRouter)  # Serve builds it with its state
+    router.initialize_state(imbalance_threshold=8)
+    lens = queue_lens or {}
+    # Behind Serve's read-only `replica_queue_len_cache`: what the handle saw queued.
+    router._replica_queue_len_cache = SimpleNamespace(get=lambda rid: lens.get(rid.unique_id))
+    return router
+
+
+def _choose(router, replicas, first) -> list[list[str]]:
+    pending = SimpleNamespace(args=(first,))
+    ranks = asyncio.run(router.choose_replicas(replicas, pending))
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_a_request_goes_to_its_prefix_holder_then_the_runner_up_only():
+    replicas = [
+        _replica(r, num_ongoing=0, kv_free_fraction=f)
+        for r, f in (("a", 0.9), ("b", 0.5), ("c", 0.1))
+    ]
+    request = SimpleNamespace(**{ROUTING_HINT_ATTR: {"c": 3}})
+    assert _choose(_router(), replicas, request) == [["c"], ["a"]]
+
+
+def test_the_queue_length_this_handle_saw_beats_the_periodic_stats():
+    # Stats say a is idle; this handle has just queued 5 requests on it.
+    replicas = [_replica("a", num_ongoing=0), _replica("b", num_ongoing=2)]
+    assert _choose(_router({"a": 5}), replicas, SimpleNamespace())[0] == ["b"]
+    assert _choose(_router(), replicas, SimpleNamespace())[0] == ["a"]
+
+
+def test_a_subscription_goes_to_the_replica_it_names_while_that_one_runs():
+    replicas = [_replica("a", num_ongoing=0), _replica("b", num_ongoing=9)]
+    assert _choose(_router(), replicas, Subscription("router-1", "b")) == [["b"]]
+    # Gone: ranked like any request (the router then lets the subscription go).
+    assert _choose(_router(), replicas, Subscription("router-1", "gone"))[0] == ["a"]
+
+
+def test_a_negative_imbalance_threshold_is_refused():
+    router = KVAwareRequestRouter.__new__(KVAwareRequestRouter)
+    with pytest.raises(ValueError, match="imbalance_threshold must be >= 0"):
+        router.initialize_state(imbalance_threshold=-1)

@@ -17,9 +17,8 @@ from serve_app.config import AppConfig, PoolConfig
 from serve_app.serve_config import APP_NAME, GRPC_SERVICER_FUNCTIONS, serve_config
 from serve_app.status_board import get_or_create_board
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow  # a real Ray and Serve
 def test_a_pool_that_cannot_be_placed_is_a_timeout_naming_the_deployment(
     ray_cluster, smollm2_dir, serve_ports
 ):
@@ -51,6 +50,7 @@ def _running_replicas(board, app: str) -> set[str]:
     return {s["replica_id"] for s in ray.get(board.snapshots.remote()) if s["app"] == app}
 
 
+@pytest.mark.slow  # a real Ray and Serve
 def test_a_serve_config_that_rescales_one_pool_keeps_its_running_replicas(
     ray_cluster, smollm2_dir, serve_ports
 ):
@@ -97,6 +97,7 @@ def test_a_serve_config_that_rescales_one_pool_keeps_its_running_replicas(
         serve.shutdown()
 
 
+@pytest.mark.slow  # a real Ray and Serve
 def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     ray_cluster, smollm2_dir, serve_ports
 ):

@@ -6,7 +6,6 @@ counters say which path each prompt took, and no block is left held."""
 from __future__ import annotations
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -94,7 +93,9 @@ def test_a_prompt_arriving_while_decode_waits_on_prefill_is_prefilled_on_decode(
     before = _stats("DecodeServer")["handoff"]
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(client.generate_unary, _greedy(prompts[0], max_tokens=MAX_TOKENS))
-        time.sleep(0.05)  # the first is waiting on the prefill pool when the second comes
+        # The first is waiting on the prefill pool when the second comes.
+        pending = lambda: _stats("DecodeServer")["pending_prefills"] == 1  # noqa: E731
+        wait_for(pending, "the first's prefill call", timeout_s=60, poll_s=0.01)
         second = pool.submit(client.generate_unary, _greedy(prompts[1], max_tokens=MAX_TOKENS))
         got = [list(f.result(timeout=120).token_ids) for f in (first, second)]
     after = _stats("DecodeServer")["handoff"]
