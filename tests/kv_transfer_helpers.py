@@ -44,11 +44,22 @@ def _prefill(prefill: LLMEngine, rid: str, prompt, params=GREEDY, salt=None) -> 
     return out
 
 
-def _handoff(prefill, decode, rid, prompt, params=GREEDY, salt=None) -> list[RequestOutput]:
-    """The whole protocol; returns prefill's output followed by decode's after the first."""
+def _handoff(
+    prefill, decode, rid, prompt, params=GREEDY, salt=None, expect_handoff=True
+) -> list[RequestOutput]:
+    """The whole protocol; returns prefill's output followed by decode's after the first.
+
+    With `expect_handoff=False` the request must end at prefill (nothing is handed off);
+    otherwise prefill must hand it off.
+    """
     first = _prefill(prefill, rid, prompt, params, salt)
-    if first.handoff is None:
+    if not expect_handoff:
+        assert first.handoff is None, f"{rid}: prefill handed off a request meant to end there"
+        assert first.finished and first.finish_reason is not None
         return [first]
+    assert first.handoff is not None, (
+        f"{rid}: prefill ended the request ({first.finish_reason}), nothing was handed off"
+    )
     skip = decode.cached_prefix_blocks(list(first.handoff.block_hashes), prompt, salt)
     handle, parts = prefill.export_kv(rid, skip_blocks=skip)
     assert all(isinstance(p, KVBlocks) for p in parts)

@@ -7,6 +7,7 @@ import sys
 import typing
 
 import pytest
+import torch
 from tiny_model import make_tiny_model
 
 from serve_app import cli
@@ -21,6 +22,23 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.fixture
+def built_engines(monkeypatch) -> list[LLMEngine]:
+    """The engines `baton generate --local` builds, kept for the test to inspect."""
+    from workers.engine import engine as engine_module
+
+    built: list[LLMEngine] = []
+
+    class Recorded(LLMEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    # The CLI imports LLMEngine from this module when it runs a command.
+    monkeypatch.setattr(engine_module, "LLMEngine", Recorded)
+    return built
+
+
 def _baton(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "serve_app.cli", *args],
@@ -30,10 +48,14 @@ def _baton(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _expected_text(model_dir, messages=None, prompt=None, max_tokens=12) -> str:
-    engine = LLMEngine(EngineConfig(model=str(model_dir)))
+def _expected_text(
+    model_dir, messages=None, prompt=None, max_tokens=12, dtype="auto", **sampling
+) -> str:
+    """What an in-process engine writes; greedy unless `sampling` says otherwise."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype))
     ids = engine.tokenizer.encode_chat(messages) if messages else engine.tokenizer.encode(prompt)
-    seq = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
+    seq = engine.generate([ids], params)[0]
     return seq.detokenizer.text
 
 
@@ -65,12 +87,20 @@ def test_chat_renders_the_system_and_user_messages(model_dir):
 
 
 def test_seeded_sampling_is_reproducible_from_the_command_line(model_dir, capsys):
-    args = ["generate", "--local", "--model", str(model_dir), "--temperature", "1.0", "--seed", "7"]
-    outputs = []
-    for _ in range(2):
-        assert main([*args, "--max-tokens", "16", "Hello"]) == 0
-        outputs.append(capsys.readouterr().out)
-    assert outputs[0] == outputs[1] and len(outputs[0]) > 1
+    args = ["generate", "--local", "--model", str(model_dir), "--temperature", "1.5"]
+    args += ["--max-tokens", "24"]
+    outputs = {}
+    for seed in ("7", "7", "8"):
+        assert main([*args, "--seed", seed, "Hello"]) == 0
+        outputs.setdefault(seed, []).append(capsys.readouterr().out)
+    assert outputs["7"][0] == outputs["7"][1] and len(outputs["7"][0]) > 1
+    # The seed reached the request: it gives what an in-process engine gives for that
+    # seed, and another seed gives other text (24 tokens drawn at a high temperature).
+    assert (
+        outputs["7"][0]
+        == _expected_text(model_dir, prompt="Hello", max_tokens=24, temperature=1.5, seed=7) + "\n"
+    )
+    assert outputs["8"][0] != outputs["7"][0]
 
 
 @pytest.mark.parametrize(
@@ -140,18 +170,26 @@ def test_the_dtype_choices_are_the_configs():
     assert typing.get_args(DType) == DTYPES
 
 
-def test_local_generation_in_bfloat16(model_dir, capsys):
+def test_local_generation_in_bfloat16(model_dir, capsys, built_engines):
     args = ["generate", "--local", "--model", str(model_dir), "--dtype", "bfloat16"]
     assert main([*args, "--max-tokens", "6", "--temperature", "0", "Hello"]) == 0
-    assert capsys.readouterr().out.endswith("\n")
+    (engine,) = built_engines
+    assert engine.config.dtype == "bfloat16"
+    assert {p.dtype for p in engine.runner.model.parameters()} == {torch.bfloat16}
+    expected = _expected_text(model_dir, prompt="Hello", max_tokens=6, dtype="bfloat16")
+    assert capsys.readouterr().out == expected + "\n"
 
 
-def test_local_generation_with_speculation_writes_the_same_text(model_dir, capsys):
+def test_local_generation_with_speculation_writes_the_same_text(model_dir, capsys, built_engines):
     args = ["generate", "--local", "--model", str(model_dir), "--max-tokens", "30", "Hello"]
     assert main(args) == 0
     plain = capsys.readouterr().out
     assert main([*args, "--speculative-tokens", "4"]) == 0
     assert capsys.readouterr().out == plain
+    without, spec = built_engines
+    assert without.config.speculative is None
+    assert spec.config.speculative is not None and spec.config.speculative.num_tokens == 4
+    assert spec.stats().num_draft_tokens > 0, "the speculating run drafted nothing"
 
 
 @pytest.mark.parametrize("flag", [["--dtype", "bfloat16"], ["--speculative-tokens", "4"]])

@@ -61,11 +61,12 @@ def test_stop_conditions_and_max_tokens_1_match_a_single_engine(model_dir):
     ]
     for i, params in enumerate(cases):
         expected = _single(single, prompt, params)
-        got = _handoff(prefill, decode, f"s{i}", prompt, params)
+        ends_at_prefill = params.max_tokens == 1
+        got = _handoff(prefill, decode, f"s{i}", prompt, params, expect_handoff=not ends_at_prefill)
         assert _tokens_of(got) == _tokens_of(expected)
         assert got[-1].finish_reason is expected[-1].finish_reason
         assert "".join(o.new_text for o in got) == "".join(o.new_text for o in expected)
-        if params.max_tokens == 1:
+        if ends_at_prefill:
             # Ends at prefill: nothing to hand off, nothing held.
             assert got[0].finish_reason is FinishReason.LENGTH and got[0].handoff is None
             assert prefill.stats().handoffs_held == 0

@@ -63,11 +63,14 @@ def test_top_k_one_is_greedy_even_at_high_temperature():
         assert out.token_ids == logits.argmax(dim=1).tolist()
 
 
-def _seeded_run(seed: int, position: int, batch_size: int, steps: int = 40) -> list[int]:
+def _seeded_run(
+    seed: int, position: int, batch_size: int, steps: int = 40, default_seed: int = 1234
+) -> list[int]:
     """Tokens a request seeded with `seed` gets at row `position` of a batch of `batch_size`.
 
     The other rows mix unseeded, greedy and differently seeded requests; every step
     sees fresh logits, identical for the seeded row whatever the batch looks like.
+    `default_seed` seeds the engine-wide generator that unseeded rows draw from.
     """
     gens = [_gen(seed if row == position else 1000 + row) for row in range(batch_size)]
     others = [
@@ -85,7 +88,7 @@ def _seeded_run(seed: int, position: int, batch_size: int, steps: int = 40) -> l
             p = others[row % len(others)]
             params.append(p)
             generators.append(gens[row] if p.seed is not None else None)
-    default = _default()
+    default = torch.Generator().manual_seed(default_seed)
     tokens = []
     for step in range(steps):
         logits = _logits(batch_size, seed=10_000 + step)
@@ -95,7 +98,11 @@ def _seeded_run(seed: int, position: int, batch_size: int, steps: int = 40) -> l
 
 
 def test_seeded_sampling_is_reproducible():
-    assert _seeded_run(42, 0, 1) == _seeded_run(42, 0, 1)
+    # The engine-wide generator differs between the runs: the same tokens can only come
+    # from the request's own seed.
+    first = _seeded_run(42, 0, 1, default_seed=1234)
+    assert len(set(first)) > 5, "the logits were meant to give varied draws"
+    assert _seeded_run(42, 0, 1, default_seed=5678) == first
 
 
 @pytest.mark.parametrize(("position", "batch_size"), [(0, 3), (2, 5), (6, 7)])

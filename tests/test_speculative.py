@@ -276,10 +276,15 @@ def test_seeded_sampling_gives_the_tokens_it_gets_without_speculation(model_dir)
     stats = engine.stats()
     # Both kinds of step happened: drafts taken, and drafts refused (rows discarded).
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
-    # In a batch of 6 that speculates only while at most 3 run.
-    others = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
+    # In a batch of 6 that speculates only while at most 3 run: the others finish one
+    # after another, so the seeded request decodes first without drafts, then with them
+    # beside the last two others, then alone.
+    others = [
+        SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True) for n in (4, 6, 8, 10, 12)
+    ]
     busy = _engine(model_dir, speculative=SpeculativeConfig(max_running=3))
-    assert _run(busy, prompts, [seeded] + [others] * 5)[0].output_token_ids == want
+    assert _run(busy, prompts, [seeded, *others])[0].output_token_ids == want
+    assert busy.stats().num_draft_tokens > 0
 
 
 def test_a_sequence_holds_no_blocks_past_its_tokens_between_steps(model_dir):

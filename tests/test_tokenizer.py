@@ -9,6 +9,7 @@ from tokenizers import decoders, models
 from workers.model.tokenizer import Tokenizer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ["👩👩", " héllo wörld", "<|im_start|>user\n", "a\tb  c"])
 def test_byte_level_tokens_give_back_the_exact_bytes_of_the_text(smollm2_dir, text):
     tok = Tokenizer(smollm2_dir)
@@ -30,6 +31,7 @@ def test_sentencepiece_style_tokens_map_the_space_mark_and_byte_fallbacks(tmp_pa
     assert [tok.token_bytes(i) for i in (1, 2, 3, 4)] == [b" hi", b"\xf0", b"\x9f", b"x"]
 
 
+@pytest.mark.slow
 def test_an_id_the_tokenizer_lacks_stands_for_no_bytes(smollm2_dir):
     # Models pad their vocabulary past the tokenizer's; such ids can be sampled candidates.
     tok = Tokenizer(smollm2_dir)

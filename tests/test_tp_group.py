@@ -77,7 +77,9 @@ def test_each_rank_holds_its_share_of_the_weights(ray_cluster, tmp_path):
     split = TPWorkerGroup(4, spec)
     try:
         (whole,) = full.weight_bytes()
-        for rank_bytes in split.weight_bytes():
+        shares = split.weight_bytes()
+        assert len(shares) == 4
+        for rank_bytes in shares:
             # Only the RMSNorm weights are replicated; everything else is a 1/4 shard.
             assert abs(rank_bytes - whole / 4) / (whole / 4) < 0.02
     finally:
