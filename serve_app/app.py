@@ -30,6 +30,7 @@ from workers.model.config import ModelConfig
 
 # How often replicas report load and KV usage to the request router.
 ROUTING_STATS_PERIOD_S = 1.0
+HEALTH_CHECK_PERIOD_S = 2.0
 
 
 @functools.cache
@@ -75,8 +76,11 @@ def _pool_options(role: str, pool: PoolConfig, num_routers: int) -> dict[str, An
             request_router_class="serve_app.request_routing:KVAwareRequestRouter",
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         ),
-        # Loading a model takes a while; a busy CPU engine must not look dead.
+        # Loading a model takes a while; a busy CPU engine must not look dead. A failed
+        # engine is replaced after three failed checks (~6 s, not Serve's default ~30 s);
+        # the request router stops sending it requests sooner (request_routing.py).
         "health_check_timeout_s": 60,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
     }
     scale = pool_scale(pool)

@@ -103,6 +103,7 @@ class EngineServer:
         # The last fire-and-forget call to each (see _replace_lost_actors).
         self._last_publish: Future | None = None
         self._last_post: Future | None = None
+        self._withdrawn = False  # from routing and the registry, its engine failed
         self.engine = AsyncEngine.from_config(
             engine_config,
             stream_interval=config.stream_interval,
@@ -323,6 +324,15 @@ class EngineServer:
 
     def record_routing_stats(self) -> dict[str, float]:
         # Serve calls this about once a second: the moment to post status and metrics too.
+        if not self.engine.is_healthy():
+            # Every call here now fails at once, so this replica would look the least
+            # loaded and its registry entries would keep drawing prompts: the request
+            # router skips it from now on, until Serve's health check replaces it.
+            if not self._withdrawn:
+                self._withdrawn = True
+                self.registry.remove_replica.remote(self.replica_id)
+                logger.error("%s replica %s: engine failed; withdrawn", self.role, self.replica_id)
+            return {"healthy": 0.0}
         s = self.engine.stats()
         if self.gpus.available:  # a machine without GPUs will not grow one
             self.gpus = read_gpus()
@@ -333,6 +343,7 @@ class EngineServer:
         return {
             "num_ongoing": s.num_running + s.num_waiting + s.imports_waiting,
             "kv_free_fraction": s.num_free_blocks / max(s.num_total_blocks, 1),
+            "healthy": 1.0,
         }
 
     def _replace_lost_actors(self) -> None:

@@ -129,6 +129,11 @@ class OutputChannels:
         """The subscribe call's items: this replica's id (the router checks where the call
         landed), then the router's outputs in batches until the channel is idle."""
         yield self.replica_id
+        if sub.replica_id != self.replica_id:
+            # Meant for a replica that is gone: the router lets this call go. A channel
+            # here would mark this replica's next streams for that router as muxed,
+            # on a subscription the router does not have.
+            return
         if sub.router_id in self._channels:
             return  # the router has one here already: this duplicate just ends
         channel = self._channels[sub.router_id] = OutputChannel()

@@ -14,6 +14,9 @@ The order, per request:
 3. then the most free KV blocks (room to admit without preempting);
 4. then at random, so idle replicas (a freshly added one too) share the traffic.
 
+A replica whose engine has failed (its routing stats say `healthy: 0`) is left out while
+any other can take the request.
+
 Serve tries the ranks in order and skips replicas at their max_ongoing_requests.
 
 A router's output subscription (`Subscription`, output_mux.py) goes to the replica it
@@ -76,8 +79,12 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             return [[by_id[first.replica_id]]]
         if first is not None:
             hits = getattr(first, ROUTING_HINT_ATTR, None) or {}
+        # A replica whose engine failed answers every call with an error at once. With
+        # no healthy one left, the call goes on and fails fast (UNAVAILABLE) rather than
+        # waiting for replacements that may never come up.
+        healthy = [r for r in candidate_replicas if _healthy(r)] or candidate_replicas
         ranked = rank_candidates(
-            [self._candidate(r, hits) for r in candidate_replicas],
+            [self._candidate(r, hits) for r in healthy],
             getattr(self, "imbalance_threshold", DEFAULT_IMBALANCE_THRESHOLD),
         )
         # Two ranks, like Serve's own router: if the best refuses (full), the runner-up.
@@ -95,3 +102,8 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             load=load,
             kv_free_fraction=float(stats.get("kv_free_fraction", 1.0)),
         )
+
+
+def _healthy(replica: RunningReplica) -> bool:
+    # No stats yet (a replica just started) counts as healthy.
+    return float((replica.routing_stats or {}).get("healthy", 1.0)) > 0.0

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -61,3 +62,14 @@ def test_a_prefill_call_counts_as_pending_until_it_answers_or_fails():
         assert replica._pending_prefills == 0 and not replica._prefills_here(4096)
 
     asyncio.run(main())
+
+
+def test_a_replica_whose_engine_failed_withdraws_from_routing_and_the_registry_once():
+    replica = _decode_replica(0, None)
+    removed = []
+    replica.role, replica.replica_id, replica._withdrawn = "decode", "r1", False
+    replica.engine = SimpleNamespace(is_healthy=lambda: False)
+    replica.registry = SimpleNamespace(remove_replica=SimpleNamespace(remote=removed.append))
+    assert replica.record_routing_stats() == {"healthy": 0.0}
+    assert replica.record_routing_stats() == {"healthy": 0.0}
+    assert removed == ["r1"]

@@ -284,6 +284,18 @@ def test_a_second_subscription_of_one_router_to_one_replica_just_ends():
     asyncio.run(main())
 
 
+def test_a_subscription_meant_for_another_replica_opens_no_channel():
+    async def main():
+        channels = OutputChannels("replica-b")
+        misrouted = channels.subscribe(Subscription("router-1", "replica-a"))
+        assert await anext(misrouted) == "replica-b"
+        with pytest.raises(StopAsyncIteration):  # at once, not when a channel idles out
+            await asyncio.wait_for(anext(misrouted), 1.0)
+        assert channels.stats()["open_subscriptions"] == 0
+
+    asyncio.run(main())
+
+
 def test_a_subscription_that_lands_on_another_replica_is_cancelled():
     async def main():
         elsewhere = OutputChannels("replica-b")

@@ -92,3 +92,13 @@ def test_a_negative_imbalance_threshold_is_refused():
     router = KVAwareRequestRouter.__new__(KVAwareRequestRouter)
     with pytest.raises(ValueError, match="imbalance_threshold must be >= 0"):
         router.initialize_state(imbalance_threshold=-1)
+
+
+def test_a_replica_whose_engine_failed_gets_nothing_while_another_can_serve():
+    dead = _replica("dead", healthy=0.0)
+    replicas = [dead, _replica("a", num_ongoing=6, healthy=1.0), _replica("fresh")]
+    request = SimpleNamespace(**{ROUTING_HINT_ATTR: {"dead": 8}})  # its registry entries
+    ranks = _choose(_router({"dead": 0}), replicas, request)
+    assert sorted(r for rank in ranks for r in rank) == ["a", "fresh"]
+    # None healthy: the call goes to one anyway and fails fast, rather than waiting.
+    assert _choose(_router(), [dead], request) == [["dead"]]
