@@ -38,7 +38,7 @@ from serve_app.errors import root_cause
 from serve_app.gpu_telemetry import read_gpus
 from serve_app.metrics import ReplicaMetrics
 from serve_app.output_mux import OutputChannels
-from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
+from serve_app.prefix_registry import HEARTBEAT_S, PrefixRegistryConfig, get_or_create_registry
 from serve_app.protocol import EngineRequest, PrefillResult, StreamStart, Subscription
 from serve_app.status_board import get_or_create_board
 from workers.engine.async_engine import AsyncEngine
@@ -104,6 +104,7 @@ class EngineServer:
         self._last_publish: Future | None = None
         self._last_post: Future | None = None
         self._withdrawn = False  # from routing and the registry, its engine failed
+        self._last_heartbeat = time.monotonic()  # to the registry (see record_routing_stats)
         self.engine = AsyncEngine.from_config(
             engine_config,
             stream_interval=config.stream_interval,
@@ -225,7 +226,7 @@ class EngineServer:
             except Exception as e:
                 if isinstance(root_cause(e), InvalidRequestError):
                     raise  # the request's fault: recomputing would fail alike
-                async for out in self._recompute(request, e):
+                async for out in self._recompute(request, e, have):
                     yield out
                 return
             received = time.perf_counter()
@@ -248,7 +249,7 @@ class EngineServer:
                 have = e.num_cached_blocks
                 continue
             except KVTransferError as e:  # the prefill replica died since it answered
-                async for out in self._recompute(request, e):
+                async for out in self._recompute(request, e, have):
                     yield out
                 return
             try:
@@ -266,10 +267,15 @@ class EngineServer:
                 # request in the engine and frees its blocks.
                 await stream.aclose()
             return
-        raise RuntimeError(
-            f"request {request.request_id}: this decode replica kept evicting the prefix it "
-            f"reported ({_MAX_STALE_RETRIES} retries); it is short of KV blocks"
+        # Short of KV blocks, this replica evicted the prefix it reported on every try:
+        # the prompt is computed here, which needs no prefix to stay put.
+        stale = StalePrefixError(
+            f"this decode replica evicted the prefix it reported on {_MAX_STALE_RETRIES + 1} "
+            "tries; it is short of KV blocks",
+            have,
         )
+        async for out in self._recompute(request, stale, have):
+            yield out
 
     def _prefills_here(self, uncached_tokens: int) -> bool:
         """Selective disaggregation: whether this replica prefills the prompt itself."""
@@ -287,21 +293,23 @@ class EngineServer:
             self._pending_prefills -= 1
 
     async def _recompute(
-        self, request: EngineRequest, error: BaseException
+        self, request: EngineRequest, error: BaseException, cached_blocks: int
     ) -> AsyncIterator[RequestOutput]:
-        """The prefill pool failed the handoff (a replica died, none is reachable): this
-        replica computes the prompt itself, visibly (log, counter, metric)."""
+        """The handoff failed (a prefill replica died, none is reachable, the prefix kept
+        going stale): this replica computes the prompt itself, visibly (log, counter,
+        metric), past the `cached_blocks` it held when the request came."""
         prompt = list(request.prompt_token_ids)
+        tokens = len(prompt) - cached_blocks * self.block_size
         logger.warning(
-            "request %s: KV handoff failed (%s: %s); recomputing its %d prompt tokens here",
+            "request %s: KV handoff failed (%s: %s); recomputing %d prompt tokens here",
             request.request_id,
             type(root_cause(error)).__name__,
             root_cause(error),
-            len(prompt),
+            tokens,
         )
-        self.handoff.num_recomputed_tokens += len(prompt)
+        self.handoff.num_recomputed_tokens += tokens
         self.handoff.last_failure = f"{type(root_cause(error)).__name__}: {root_cause(error)}"
-        self.metrics.recompute(len(prompt))
+        self.metrics.recompute(tokens)
         stream = self.engine.generate(
             request.request_id, prompt, request.params, request.cache_salt
         )
@@ -334,6 +342,10 @@ class EngineServer:
                 logger.error("%s replica %s: engine failed; withdrawn", self.role, self.replica_id)
             return {"healthy": 0.0}
         s = self.engine.stats()
+        if time.monotonic() - self._last_heartbeat >= HEARTBEAT_S:
+            # Keeps this replica's entries in the registry while its cache is quiet.
+            self._last_heartbeat = time.monotonic()
+            self._publish([], [])
         if self.gpus.available:  # a machine without GPUs will not grow one
             self.gpus = read_gpus()
             self.metrics.gpus(self.gpus)

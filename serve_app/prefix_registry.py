@@ -17,15 +17,30 @@ its token ids before reusing it.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import ray
 
 from workers.engine.block_hash import BlockHash
 
-__all__ = ["PrefixIndex", "PrefixRegistry", "PrefixRegistryConfig", "get_or_create_registry"]
+__all__ = [
+    "PrefixIndex",
+    "PrefixRegistry",
+    "PrefixRegistryConfig",
+    "RegistryLookup",
+    "get_or_create_registry",
+]
+
+logger = logging.getLogger(__name__)
+
+# How often each engine replica tells the registry it is alive (an empty `publish`),
+# whether or not its cache changed.
+HEARTBEAT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -34,42 +49,69 @@ class PrefixRegistryConfig:
     max_entries: int = 1_000_000
     name: str = "baton-prefix-registry"
     namespace: str = "baton"
+    # A replica not heard from for this long (no events, no heartbeat: it crashed, or
+    # its node went) is forgotten with all it held. Replicas heartbeat every
+    # HEARTBEAT_S, so a live one never comes near it.
+    replica_ttl_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {self.max_entries}")
+        if not self.replica_ttl_s > HEARTBEAT_S:
+            raise ValueError(
+                f"replica_ttl_s must exceed the replicas' {HEARTBEAT_S} s heartbeat, "
+                f"got {self.replica_ttl_s}"
+            )
         if not self.name or not self.namespace:
             raise ValueError("name and namespace must be non-empty: they locate the actor")
 
 
 class PrefixIndex:
-    """(block hash, replica) entries, bounded, least-recently-used dropped first."""
+    """(block hash, replica) entries, bounded, least-recently-used dropped first.
 
-    def __init__(self, max_entries: int):
+    Recency runs deepest block first: a chain's blocks are stored and matched in prompt
+    order, and refreshing them in reverse leaves its root the most recent, so the bound
+    drops a chain from its tail. Dropping roots first would orphan the rest of the chain,
+    entries no prefix match can reach any more.
+    """
+
+    def __init__(
+        self,
+        max_entries: int,
+        replica_ttl_s: float = PrefixRegistryConfig.replica_ttl_s,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
+        self.replica_ttl_s = replica_ttl_s
+        self._clock = clock
         self._lru: OrderedDict[tuple[BlockHash, str], None] = OrderedDict()
         self._holders: dict[BlockHash, set[str]] = {}
-        # Every known replica, even one whose entries are all gone, until it is removed.
+        # Every known replica, even one whose entries are all gone, until it is removed
+        # or expires; and when each was last heard from.
         self._by_replica: dict[str, set[BlockHash]] = {}
+        self._last_heard: dict[str, float] = {}
         self._num_dropped = 0
         self._num_queries = 0
+        self._num_expired_replicas = 0
 
     def publish(
         self, replica_id: str, stored: Iterable[BlockHash], evicted: Iterable[BlockHash]
     ) -> None:
-        """Applies one batch of a replica's events: evictions first, then stores."""
+        """Applies one batch of a replica's events: evictions first, then stores. An
+        empty batch is the replica's heartbeat."""
         _check_replica_id(replica_id)
         stored, evicted = _checked_hashes(stored), _checked_hashes(evicted)
         held = self._by_replica.setdefault(replica_id, set())
+        self._last_heard[replica_id] = self._clock()
         for h in evicted:
             key = (h, replica_id)
             # An eviction of something not held (dropped by the bound, or never seen) is moot.
             if key in self._lru:
                 del self._lru[key]
                 self._forget(h, replica_id, held)
-        for h in stored:
+        for h in reversed(stored):  # deepest first (see the class docstring)
             key = (h, replica_id)
             if key in self._lru:
                 self._lru.move_to_end(key)
@@ -86,7 +128,9 @@ class PrefixIndex:
         """For hashes in prompt order: each known replica -> how many leading ones it holds."""
         hashes = _checked_hashes(hashes)
         self._num_queries += 1
+        self._expire_silent_replicas()
         result = dict.fromkeys(self._by_replica, 0)
+        matched: list[tuple[BlockHash, str]] = []
         alive: set[str] | None = None
         for depth, h in enumerate(hashes, start=1):
             holders = self._holders.get(h, set())
@@ -95,12 +139,21 @@ class PrefixIndex:
                 break
             for replica_id in alive:
                 result[replica_id] = depth
-                # A block routers keep asking for is worth keeping.
-                self._lru.move_to_end((h, replica_id))
+                matched.append((h, replica_id))
+        # A block routers keep asking for is worth keeping (deepest refreshed first).
+        for key in reversed(matched):
+            self._lru.move_to_end(key)
         return result
+
+    def _expire_silent_replicas(self) -> None:
+        deadline = self._clock() - self.replica_ttl_s
+        for replica_id in [r for r, t in self._last_heard.items() if t < deadline]:
+            self.remove_replica(replica_id)
+            self._num_expired_replicas += 1
 
     def remove_replica(self, replica_id: str) -> int:
         """Forgets a replica and all it held; returns how many entries went."""
+        self._last_heard.pop(replica_id, None)
         held = self._by_replica.pop(replica_id, set())
         for h in held:
             del self._lru[(h, replica_id)]
@@ -117,6 +170,7 @@ class PrefixIndex:
             "hashes": len(self._holders),
             "replicas": len(self._by_replica),
             "dropped_entries": self._num_dropped,
+            "expired_replicas": self._num_expired_replicas,
             "queries": self._num_queries,
         }
 
@@ -135,8 +189,8 @@ class PrefixRegistry:
     replica's batches are applied in the order it sent them.
     """
 
-    def __init__(self, max_entries: int):
-        self._index = PrefixIndex(max_entries)
+    def __init__(self, max_entries: int, replica_ttl_s: float):
+        self._index = PrefixIndex(max_entries, replica_ttl_s)
 
     def publish(self, replica_id: str, stored: list[BlockHash], evicted: list[BlockHash]) -> None:
         self._index.publish(replica_id, stored, evicted)
@@ -155,7 +209,7 @@ def get_or_create_registry(config: PrefixRegistryConfig | None = None) -> ray.ac
     """The cluster's registry actor, started on first use (Ray must be initialised).
 
     Detached, so it outlives whichever process created it; when it already exists,
-    its original `max_entries` stays in force.
+    its original `max_entries` and `replica_ttl_s` stay in force.
     """
     config = config or PrefixRegistryConfig()
     actor = ray.remote(PrefixRegistry).options(
@@ -168,7 +222,37 @@ def get_or_create_registry(config: PrefixRegistryConfig | None = None) -> ray.ac
         # Its node lost, it starts again elsewhere (empty: the index is advisory).
         max_restarts=-1,
     )
-    return actor.remote(config.max_entries)
+    return actor.remote(config.max_entries, config.replica_ttl_s)
+
+
+class RegistryLookup:
+    """A router's way to the registry: the hints for a prompt, or none. Losing the
+    registry (a new one is started) or waiting on it past `wait_s` (it restarts, or falls
+    behind every replica's cache events) costs routing hints, never a request or more
+    than `wait_s` of its latency."""
+
+    def __init__(self, config: PrefixRegistryConfig, wait_s: float) -> None:
+        self.config, self.wait_s = config, wait_s
+        self.actor = get_or_create_registry(config)
+        self.num_timeouts = 0
+
+    async def longest_prefixes(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        lookup = self.actor.longest_prefixes.remote(list(block_hashes))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(lookup.future()), self.wait_s)
+        except ray.exceptions.RayActorError:
+            logger.warning("the prefix registry is gone; starting a new one")
+            self.actor = get_or_create_registry(self.config)
+        except asyncio.TimeoutError:
+            self.num_timeouts += 1
+            if self.num_timeouts & (self.num_timeouts - 1) == 0:  # the 1st, 2nd, 4th... time
+                logger.warning(
+                    "the prefix registry took over %.2f s to answer (%d times so far); "
+                    "routing without its hints",
+                    self.wait_s,
+                    self.num_timeouts,
+                )
+        return {}
 
 
 def _check_replica_id(replica_id: str) -> None:

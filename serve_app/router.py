@@ -21,7 +21,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2
 from ray import serve
-from ray.exceptions import RayActorError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,7 +46,7 @@ from serve_app.openai_responses import (
     sse_events,
 )
 from serve_app.output_mux import OutputDemux
-from serve_app.prefix_registry import PrefixRegistryConfig, get_or_create_registry
+from serve_app.prefix_registry import PrefixRegistryConfig, RegistryLookup
 from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
 from serve_app.stream_merge import merge_streams
@@ -63,6 +62,8 @@ SERVICE_NAME = "baton.v1.Baton"
 # of the GIL: inline, a megabyte of text would stall every stream this router relays
 # for seconds. Shorter ones stay inline, as the thread hop costs more than they do.
 INLINE_TOKENIZE_CHARS = 16_384
+# How long a request waits for the prefix registry's routing hints before going without.
+REGISTRY_WAIT_S = 0.25
 http_app = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton service")
 
 # An unknown path or method answers in OpenAI's error shape, as every other error.
@@ -124,8 +125,9 @@ class Router:
             role: config.engine_config(p, str(model_dir), self.model_id).resolved_dtype_name()
             for role, p in config.pools().items()
         }
-        self.registry_config = PrefixRegistryConfig(name=config.registry_name)
-        self.registry = get_or_create_registry(self.registry_config)
+        self.registry = RegistryLookup(
+            PrefixRegistryConfig(name=config.registry_name), wait_s=REGISTRY_WAIT_S
+        )
         # `_by_reference` is Serve's switch between its two handle channels (see
         # config.OutputChannel); a decode replica's prefill call is always an actor call
         # (engine_server.py), as its result carries ObjectRefs to the exported KV.
@@ -155,14 +157,9 @@ class Router:
             self.frontend.build_request(uuid.uuid4().hex, ids, p, cache_salt) for p in choices
         ]
         if requests[0].block_hashes:
-            try:
-                hits = await self.registry.longest_prefixes.remote(list(requests[0].block_hashes))
-            except RayActorError:
-                # Advisory: losing the registry costs routing hints, never a request.
-                logger.warning("the prefix registry is gone; starting a new one")
-                self.registry = get_or_create_registry(self.registry_config)
-                hits = {}
-            requests = [replace(r, prefix_hits=hits) for r in requests]
+            requests = [
+                replace(r, prefix_hits=await self._prefix_hits(requests[0])) for r in requests
+            ]
         requests = [replace(r, router_id=self.demux.router_id) for r in requests]
         return [
             (r, self.frontend.text_stream(ids, p)) for r, p in zip(requests, choices, strict=True)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from serve_app.prefix_registry import (
+    HEARTBEAT_S,
     PrefixIndex,
     PrefixRegistryConfig,
+    RegistryLookup,
     get_or_create_registry,
 )
 from workers.engine.block_hash import BlockHash, hash_full_blocks, root_hash
@@ -79,6 +84,41 @@ def test_the_size_bound_drops_the_least_recently_used_entries():
     assert index.longest_prefixes(PROMPT) == {"r1": 1, "r2": 2, "r3": 2}
 
 
+def test_the_bound_drops_a_chain_from_its_tail_so_its_prefix_still_matches():
+    index = PrefixIndex(10)
+    first, second = _chain(8, seed=1), _chain(4, seed=2)
+    index.publish("r1", first, [])
+    index.publish("r1", second, [])
+    # Two entries had to go: the first chain's last two blocks, not its root.
+    assert index.longest_prefixes(first) == {"r1": 6}
+    assert index.longest_prefixes(second) == {"r1": 4}
+    # A query refreshes the matched run deepest first too: the next drop takes the
+    # unqueried chain's tail.
+    index.longest_prefixes(first)
+    index.publish("r1", _chain(1, seed=3), [])
+    assert index.longest_prefixes(first) == {"r1": 6}
+    assert index.longest_prefixes(second) == {"r1": 3}
+
+
+def test_a_replica_not_heard_from_for_its_ttl_is_forgotten():
+    now = [0.0]
+    index = PrefixIndex(100, replica_ttl_s=60.0, clock=lambda: now[0])
+    index.publish("crashed", PROMPT, [])
+    index.publish("live", PROMPT[:2], [])
+    now[0] = 50.0
+    index.publish("live", [], [])  # its heartbeat
+    assert index.longest_prefixes(PROMPT) == {"crashed": 6, "live": 2}
+    now[0] = 61.0
+    assert index.longest_prefixes(PROMPT) == {"live": 2}
+    stats = index.stats()
+    assert stats["expired_replicas"] == 1 and stats["entries"] == 2 and stats["replicas"] == 1
+
+
+def test_a_ttl_within_the_heartbeat_is_refused():
+    with pytest.raises(ValueError, match="replica_ttl_s must exceed"):
+        PrefixRegistryConfig(replica_ttl_s=HEARTBEAT_S)
+
+
 def test_restoring_an_entry_refreshes_it():
     index = PrefixIndex(2)
     a, b, c = _chain(3)
@@ -111,6 +151,7 @@ def test_removing_a_replica_drops_all_its_entries():
         "hashes": 3,
         "replicas": 1,
         "dropped_entries": 0,
+        "expired_replicas": 0,
         "queries": 1,
     }
     assert index.remove_replica("r1") == 0
@@ -216,3 +257,36 @@ def test_actor_refuses_bad_events(ray_cluster, registry):
         ray.get(registry.publish.remote("r1", ["not-a-hash"], []))
     # The actor survives a bad call and keeps serving.
     assert ray.get(registry.stats.remote())["entries"] == 0
+
+
+@pytest.mark.slow
+def test_a_routers_lookup_goes_without_hints_when_the_registry_is_slow_or_gone(
+    ray_cluster, request
+):
+    ray = ray_cluster
+    config = PrefixRegistryConfig(max_entries=8, name=f"registry-{request.node.name}")
+    lookup = RegistryLookup(config, wait_s=0.5)
+
+    @ray.remote(num_cpus=0)
+    class Stalled:  # a registry that answers too late (restarting, or far behind)
+        def longest_prefixes(self, hashes):
+            time.sleep(3)
+            return {"r1": len(hashes)}
+
+    async def main():
+        ray.get(lookup.actor.publish.remote("r1", PROMPT[:2], []))
+        assert await lookup.longest_prefixes(PROMPT) == {"r1": 2}
+        registry, lookup.actor = lookup.actor, Stalled.remote()
+        assert await lookup.longest_prefixes(PROMPT) == {}  # its late answer says r1
+        assert lookup.num_timeouts == 1
+        ray.kill(lookup.actor)
+        ray.kill(registry)
+        assert await lookup.longest_prefixes(PROMPT) == {}  # lost: a new one is started
+        assert await lookup.longest_prefixes(PROMPT) == {}  # which knows nothing yet
+        ray.get(lookup.actor.publish.remote("r2", PROMPT[:3], []))
+        assert await lookup.longest_prefixes(PROMPT) == {"r2": 3}
+
+    try:
+        asyncio.run(main())
+    finally:
+        ray.kill(lookup.actor)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_model import make_tiny_model
 
+from workers.engine.errors import EngineDeadError
 from workers.engine.model_runner import ModelRunner, RunnerSpec, SeqChunk, StepInput
 from workers.tp.group import TPWorkerGroup
 
@@ -92,9 +93,9 @@ def test_a_dead_rank_fails_the_step_loudly(ray_cluster, tmp_path):
 
     group = TPWorkerGroup(2, _spec(make_tiny_model(tmp_path)))
     ray.kill(group.workers[1])
-    with pytest.raises(RuntimeError, match="TP rank 1 of 2 failed"):
+    with pytest.raises(EngineDeadError, match="TP rank 1 of 2 failed"):
         group.execute(_steps()[0])
     # The group stays failed: later calls say so instead of hanging or misbehaving.
-    with pytest.raises(RuntimeError, match="TP rank 1 of 2 failed"):
+    with pytest.raises(EngineDeadError, match="TP rank 1 of 2 failed"):
         group.execute(_steps()[0])
     group.shutdown()  # idempotent

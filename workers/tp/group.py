@@ -3,7 +3,7 @@
 The engine drives it exactly like an in-process ModelRunner (`execute(step)
 -> logits`): each step is sent to every rank, the ranks exchange activations
 over torch.distributed, and rank 0's logits come back. A rank that dies turns
-the next step into a RuntimeError naming it, rather than a hang.
+the next step (or KV pull) into an EngineDeadError naming it, rather than a hang.
 
 Handed-over KV blocks under a direct transport (KVRefs) go rank to rank: each rank
 pulls the prefill ranks' parts that hold its KV heads itself (`prefetch`, callable from
@@ -18,6 +18,7 @@ from dataclasses import replace
 import torch
 
 from workers.engine import kv_transport
+from workers.engine.errors import EngineDeadError
 from workers.engine.kv_transport import KVPart, KVRef, KVTransferError
 from workers.engine.model_runner import RunnerSpec, StepInput
 from workers.tp.worker import TPWorker
@@ -194,7 +195,7 @@ class TPWorkerGroup:
 
     def _ranks(self) -> list:
         if self._failure is not None:
-            raise RuntimeError(f"TP worker group unusable: {self._failure}")
+            raise EngineDeadError(f"TP worker group unusable: {self._failure}")
         return self.workers
 
     def _gather(self, refs: list) -> list:
@@ -215,7 +216,7 @@ class TPWorkerGroup:
                 rank = rank_of[done[0]]
                 self._failure = f"TP rank {rank} of {self.tp_size} failed"
                 self.shutdown()
-                raise RuntimeError(
+                raise EngineDeadError(
                     f"{self._failure}; the worker group is shut down and the engine "
                     f"must be restarted: {e}"
                 ) from e
