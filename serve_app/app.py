@@ -66,6 +66,7 @@ def _pool_options(role: str, pool: PoolConfig, num_routers: int) -> dict[str, An
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAMES[role],
         "max_ongoing_requests": pool.max_ongoing_requests + subscriptions,
+        "max_queued_requests": -1 if pool.max_queued_requests is None else pool.max_queued_requests,
         "ray_actor_options": {
             "num_cpus": pool.num_cpus,
             # TP ranks take the devices; the replica process itself needs one only at tp=1.

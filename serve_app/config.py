@@ -79,6 +79,12 @@ class PoolConfig(_Frozen):
     # Requests Serve sends one replica at once; beyond it they queue at the router. (A
     # streaming pool's replicas take one more per router replica: its output subscription.)
     max_ongoing_requests: int = Field(128, ge=1)
+    # Requests each router may queue for this pool while every replica is at
+    # max_ongoing_requests; beyond it a request fails at once as the service being full
+    # (gRPC RESOURCE_EXHAUSTED, HTTP 503 with Retry-After) rather than waiting without
+    # bound. None: no limit. (For the prefill pool the callers are the decode replicas,
+    # which prefill a refused prompt themselves.)
+    max_queued_requests: int | None = Field(512, ge=1)
     # How long a replica that is scaled down or replaced may finish its streams before
     # Serve stops it: long enough for the longest generation you serve.
     graceful_shutdown_timeout_s: float = Field(120.0, gt=0)

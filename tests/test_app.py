@@ -140,6 +140,17 @@ def test_streaming_pools_leave_each_router_a_slot_for_its_output_subscription(mo
     assert slots["EngineServer"] == 128 + 1
 
 
+def test_each_pool_bounds_the_requests_a_router_queues_for_it(model_dir):
+    pools = {"prefill": {"max_queued_requests": None}, "decode": {"max_queued_requests": 3}}
+    app = build_app({"model": str(model_dir), **pools})
+    queued = {d.name: d._deployment_config.max_queued_requests for d in _deployments(app)}
+    # None is Serve's -1, no limit; the router's own deployment keeps Serve's default.
+    assert queued == {"Router": -1, "PrefillServer": -1, "DecodeServer": 3}
+    agg = build_app({"model": str(model_dir), "mode": "aggregated"})
+    queued = {d.name: d._deployment_config.max_queued_requests for d in _deployments(agg)}
+    assert queued["EngineServer"] == 512
+
+
 def _deployments(app) -> list:
     """Every deployment of an application graph (bound deployments are init args)."""
     seen, stack = [], [app]

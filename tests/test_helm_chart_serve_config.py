@@ -99,6 +99,7 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "num_threads": r["numThreads"],
             "dtype": r["dtype"],
             "max_ongoing_requests": r["maxOngoingRequests"],
+            "max_queued_requests": r["maxQueuedRequests"],
             "graceful_shutdown_timeout_s": r["gracefulShutdownTimeoutS"],
             "speculative_tokens": r["speculativeTokens"],
         }

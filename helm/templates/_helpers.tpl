@@ -159,6 +159,7 @@ every replica of every pool when one pool is rescaled.
     "num_threads" $r.numThreads
     "dtype" $r.dtype
     "max_ongoing_requests" $r.maxOngoingRequests
+    "max_queued_requests" $r.maxQueuedRequests
     "speculative_tokens" $r.speculativeTokens
     "graceful_shutdown_timeout_s" $r.gracefulShutdownTimeoutS }}
 {{- toJson $args }}
