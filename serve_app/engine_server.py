@@ -7,13 +7,9 @@ plays one role:
   the call or on the router's subscription, `output_mux.py`);
 - "prefill": `prefill` computes the prompt, samples the first token and returns it with
   the KV blocks the caller lacks (the blocks are released here as they leave);
-- "decode": `generate` asks the prefill pool for the first token and the missing blocks,
-  imports them and decodes. Decode drives the handoff because it is the side that knows
-  which blocks it already holds, so only the rest ever travels. If the prefill pool
-  fails the handoff, decode computes the prompt itself, counted as a recompute. It also
-  prefills a prompt itself by choice (selective disaggregation, `AppConfig`): when
-  little of it is uncached, or when it already waits on enough prefills that the pool
-  would queue this one.
+- "decode": `generate` gets the first token and the blocks it lacks from the prefill
+  pool, imports them and decodes (`decode_handoff.py`: the handoff, its fallbacks and
+  selective disaggregation).
 
 Each replica publishes its prefix cache's stored/evicted block hashes to the prefix
 registry, and its load and KV usage to Serve's request router (`record_routing_stats`).
@@ -26,15 +22,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
-from serve_app.errors import root_cause
+from serve_app.decode_handoff import DecodeHandoff, HandoffStats
 from serve_app.gpu_telemetry import read_gpus
 from serve_app.metrics import ReplicaMetrics
 from serve_app.output_mux import OutputChannels
@@ -43,42 +38,13 @@ from serve_app.protocol import EngineRequest, PrefillResult, StreamStart, Subscr
 from serve_app.status_board import get_or_create_board
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import BlockHash
-from workers.engine.errors import InvalidRequestError
-from workers.engine.kv_transfer import StalePrefixError
-from workers.engine.kv_transport import KVRef, KVTransferError
+from workers.engine.config import kv_cache_bytes_per_block
 from workers.engine.outputs import RequestOutput
 from workers.model.loader import model_identity
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("aggregated", "prefill", "decode")
-# A decode replica may evict the prefix it counted on between asking for the blocks and
-# importing them; it then asks again for more blocks, a bounded number of times.
-_MAX_STALE_RETRIES = 3
-
-
-@dataclass
-class HandoffStats:
-    """What this decode replica's imports cost, in total (for status and metrics)."""
-
-    num_handoffs: int = 0
-    # Of those, the ones pulled straight from the prefill ranks (Ray Direct Transport).
-    num_direct: int = 0
-    num_bytes: int = 0
-    blocks_received: int = 0
-    # Export + transfer (including the call to the prefill pool, minus its prefill) + import.
-    seconds: float = 0.0
-    # The prefill pool's own compute for those requests, to set the handoff against.
-    prefill_seconds: float = 0.0
-    num_stale_retries: int = 0
-    # Prompts this replica prefilled itself by choice (selective disaggregation), and
-    # the uncached prompt tokens it computed for them.
-    num_local_prefills: int = 0
-    local_prefill_tokens: int = 0
-    # Prompt tokens this replica computed itself because the prefill pool failed it.
-    num_recomputed_tokens: int = 0
-    # Why the last such handoff failed ("" if none did): for `baton status` and tests.
-    last_failure: str = ""
 
 
 class EngineServer:
@@ -111,22 +77,31 @@ class EngineServer:
             max_pulled_kv_bytes=pool.max_pulled_kv_bytes,
             on_kv_events=self._publish,
         )
-        # An actor call whatever Serve's default channel (RAY_SERVE_USE_GRPC_BY_DEFAULT):
-        # its result carries ObjectRefs to the exported KV, which must stay references.
-        self.prefill_pool = (
-            None if prefill_pool is None else prefill_pool.options(_by_reference=True)
-        )
-        self.handoff = HandoffStats()
-        self.block_size = config.block_size
-        self.local_prefill_tokens = config.local_prefill_tokens
-        self.max_pending_prefills = config.max_pending_prefills
-        self._pending_prefills = 0  # this replica's calls to the prefill pool in flight
+        self.decode = None if prefill_pool is None else self._decode_handoff(config, prefill_pool)
         self.channels = OutputChannels(self.replica_id)
         self.engine_setup = {
             "dtype": engine_config.resolved_dtype_name(),
             "tensor_parallel_size": engine_config.tensor_parallel_size,
         }
         logger.info("%s replica %s ready (%s)", role, self.replica_id, model_dir)
+
+    def _decode_handoff(self, config: AppConfig, prefill_pool: DeploymentHandle) -> DecodeHandoff:
+        # One block of the prefill pool's export: all layers and KV heads, in its dtype.
+        prefill = config.engine_config(config.prefill, str(config.model_dir()), None)
+        block_bytes = kv_cache_bytes_per_block(
+            self.engine.engine.model_config, config.block_size, prefill.resolved_dtype()
+        )
+        return DecodeHandoff(
+            self.engine,
+            # An actor call whatever Serve's default channel (RAY_SERVE_USE_GRPC_BY_DEFAULT):
+            # its result carries ObjectRefs to the exported KV, which must stay references.
+            prefill_pool.options(_by_reference=True),
+            self.metrics,
+            block_size=config.block_size,
+            block_bytes=block_bytes,
+            local_prefill_tokens=config.local_prefill_tokens,
+            max_pending_prefills=config.max_pending_prefills,
+        )
 
     def _publish(self, stored: list[BlockHash], evicted: list[BlockHash]) -> None:
         # Runs on the engine thread once per step: hand the batch off, never wait.
@@ -140,7 +115,7 @@ class EngineServer:
         if self.role == "prefill":
             raise ValueError("a prefill replica runs prefill(), not generate()")
         if self.role == "decode":
-            outputs = self._decode(request)
+            outputs = self.decode.generate(request)
         else:
             outputs = self.engine.generate(
                 request.request_id,
@@ -192,141 +167,6 @@ class EngineServer:
                 self.engine.abort_nowait(rid)
         final.handoff = None  # the handle travels on its own field
         return PrefillResult(final, handle, parts, prefill_s)
-
-    async def _decode(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        prompt = list(request.prompt_token_ids)
-        have = await self.engine.call(
-            lambda e: e.cached_prefix_blocks(list(request.block_hashes), prompt, request.cache_salt)
-        )
-        uncached = len(prompt) - have * self.block_size
-        if self._prefills_here(uncached):
-            self.handoff.num_local_prefills += 1
-            self.handoff.local_prefill_tokens += uncached
-            self.metrics.local_prefill()
-            stream = self.engine.generate(
-                request.request_id, prompt, request.params, request.cache_salt
-            )
-            async for out in stream:
-                yield out
-            return
-        for _ in range(_MAX_STALE_RETRIES + 1):
-            sent = time.perf_counter()
-            tp = self.engine_setup["tensor_parallel_size"]
-            response = self.prefill_pool.prefill.remote(request, have, tp)
-            try:
-                result: PrefillResult = await self._pending(response)
-            except asyncio.CancelledError:
-                response.cancel()  # the prefill replica aborts its request too
-                raise
-            except RequestCancelledError:
-                # Serve cancels this call along with its parent request (the client left,
-                # or its deadline passed), at times before this task sees its own cancel:
-                # the request is over, the prefill pool did not fail it.
-                raise
-            except Exception as e:
-                if isinstance(root_cause(e), InvalidRequestError):
-                    raise  # the request's fault: recomputing would fail alike
-                async for out in self._recompute(request, e, have):
-                    yield out
-                return
-            received = time.perf_counter()
-            if result.handle is None:
-                yield result.output
-                return
-            imported_s = self.engine.stats().kv_import_s
-            stream = self.engine.generate_prefilled(
-                request.request_id,
-                prompt,
-                request.params,
-                result.handle,
-                result.kv_parts,
-                request.cache_salt,
-            )
-            try:
-                first = await anext(stream)
-            except StalePrefixError as e:
-                self.handoff.num_stale_retries += 1
-                have = e.num_cached_blocks
-                continue
-            except KVTransferError as e:  # the prefill replica died since it answered
-                async for out in self._recompute(request, e, have):
-                    yield out
-                return
-            try:
-                self._count_handoff(
-                    result, received - sent, self.engine.stats().kv_import_s - imported_s
-                )
-                # The first output comes after the import: let go of the export now, so
-                # the prefill ranks free it (see kv_transport), not after the last token.
-                del result, response
-                yield first
-                async for out in stream:
-                    yield out
-            finally:
-                # Now, not whenever the stream is garbage-collected: closing it aborts the
-                # request in the engine and frees its blocks.
-                await stream.aclose()
-            return
-        # Short of KV blocks, this replica evicted the prefix it reported on every try:
-        # the prompt is computed here, which needs no prefix to stay put.
-        stale = StalePrefixError(
-            f"this decode replica evicted the prefix it reported on {_MAX_STALE_RETRIES + 1} "
-            "tries; it is short of KV blocks",
-            have,
-        )
-        async for out in self._recompute(request, stale, have):
-            yield out
-
-    def _prefills_here(self, uncached_tokens: int) -> bool:
-        """Selective disaggregation: whether this replica prefills the prompt itself."""
-        if self.local_prefill_tokens and uncached_tokens <= self.local_prefill_tokens:
-            return True
-        limit = self.max_pending_prefills
-        return limit is not None and self._pending_prefills >= limit
-
-    async def _pending(self, response) -> PrefillResult:
-        """The prefill pool's answer, counted as pending while it is awaited."""
-        self._pending_prefills += 1
-        try:
-            return await response
-        finally:
-            self._pending_prefills -= 1
-
-    async def _recompute(
-        self, request: EngineRequest, error: BaseException, cached_blocks: int
-    ) -> AsyncIterator[RequestOutput]:
-        """The handoff failed (a prefill replica died, none is reachable, the prefix kept
-        going stale): this replica computes the prompt itself, visibly (log, counter,
-        metric), past the `cached_blocks` it held when the request came."""
-        prompt = list(request.prompt_token_ids)
-        tokens = len(prompt) - cached_blocks * self.block_size
-        logger.warning(
-            "request %s: KV handoff failed (%s: %s); recomputing %d prompt tokens here",
-            request.request_id,
-            type(root_cause(error)).__name__,
-            root_cause(error),
-            tokens,
-        )
-        self.handoff.num_recomputed_tokens += tokens
-        self.handoff.last_failure = f"{type(root_cause(error)).__name__}: {root_cause(error)}"
-        self.metrics.recompute(tokens)
-        stream = self.engine.generate(
-            request.request_id, prompt, request.params, request.cache_salt
-        )
-        async for out in stream:
-            yield out
-
-    def _count_handoff(self, result: PrefillResult, call_s: float, import_s: float) -> None:
-        h = self.handoff
-        # The call's time minus prefill's own compute is what the handoff added.
-        seconds = max(call_s - result.prefill_s, 0.0) + import_s
-        h.num_handoffs += 1
-        h.num_direct += any(isinstance(p, KVRef) for p in result.kv_parts)
-        h.num_bytes += result.num_bytes
-        h.blocks_received += sum(p.num_blocks for p in result.kv_parts[:1])
-        h.seconds += seconds
-        h.prefill_seconds += result.prefill_s
-        self.metrics.handoff(result.num_bytes, seconds)
 
     # -- Serve hooks and status --------------------------------------------------
 
@@ -384,8 +224,9 @@ class EngineServer:
             "replica_id": self.replica_id,
             **self.engine_setup,
             "engine": asdict(self.engine.stats()),
-            "handoff": asdict(self.handoff),
-            "pending_prefills": self._pending_prefills,
+            # A decode replica's handoffs (all zeros elsewhere) and prefill calls in flight.
+            "handoff": asdict(self.decode.stats if self.decode else HandoffStats()),
+            "pending_prefills": self.decode.num_pending_prefills if self.decode else 0,
             "mux": self.channels.stats(),
             "gpus": self.gpus.to_dict(),
         }

@@ -1,0 +1,268 @@
+"""A decode replica's way to a request's first token and KV: the handoff.
+
+Decode drives it because it is the side that knows which blocks it already holds, so
+only the rest ever travels: it asks the prefill pool for the first token and the blocks
+past its cached prefix, imports them and decodes. If the handoff fails (the prefill call
+fails, the pull fails, or this replica evicted the prefix it reported on every try),
+it computes the prompt itself, counted as a recompute and logged with its cause. It
+also prefills a prompt itself by choice (selective disaggregation, `AppConfig`): when
+little of it is uncached, or when it already waits on enough prefills that the pool
+would queue this one.
+
+A handoff's export is prefill memory (GPU memory on a GPU) until decode pulls it, and
+with the object store it lands in this process whole: a replica asks for at most its KV
+cache's worth of handoffs at once (`DecodeHandoff.budget`), more than it could import
+anyway. (The engine's own pull budget then bounds what is pulled and not imported.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ray.serve.exceptions import RequestCancelledError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.errors import root_cause
+from serve_app.metrics import ReplicaMetrics
+from serve_app.protocol import EngineRequest, PrefillResult
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.errors import InvalidRequestError
+from workers.engine.kv_transfer import StalePrefixError
+from workers.engine.kv_transport import KVRef, KVTransferError
+from workers.engine.outputs import RequestOutput
+from workers.engine.pull_budget import PullBudget
+
+logger = logging.getLogger(__name__)
+
+# Decode may evict the prefix it counted on between asking for the blocks and importing
+# them; it then asks again for more blocks, a bounded number of times.
+_MAX_STALE_RETRIES = 3
+
+
+@dataclass
+class HandoffStats:
+    """What this decode replica's imports cost, in total (for status and metrics)."""
+
+    num_handoffs: int = 0
+    # Of those, the ones pulled straight from the prefill ranks (Ray Direct Transport).
+    num_direct: int = 0
+    num_bytes: int = 0
+    blocks_received: int = 0
+    # Export + transfer (including the call to the prefill pool, minus its prefill) + import.
+    seconds: float = 0.0
+    # The prefill pool's own compute for those requests, to set the handoff against.
+    prefill_seconds: float = 0.0
+    num_stale_retries: int = 0
+    # Prompts this replica prefilled itself by choice (selective disaggregation), and
+    # the uncached prompt tokens it computed for them.
+    num_local_prefills: int = 0
+    local_prefill_tokens: int = 0
+    # Prompt tokens this replica computed itself because the prefill pool failed it.
+    num_recomputed_tokens: int = 0
+    # Why the last such handoff failed ("" if none did): for `baton status` and tests.
+    last_failure: str = ""
+
+
+class DecodeHandoff:
+    """The handoff path of one decode replica, around its engine.
+
+    `prefill_pool` makes actor calls (its result carries ObjectRefs to the exported KV,
+    which must stay references); `block_bytes` is one block of the prefill pool's
+    export, all layers and KV heads in its dtype."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        prefill_pool: DeploymentHandle,
+        metrics: ReplicaMetrics,
+        *,
+        block_size: int,
+        block_bytes: int,
+        local_prefill_tokens: int = 0,
+        max_pending_prefills: int | None = None,
+    ) -> None:
+        self.engine, self.prefill_pool, self.metrics = engine, prefill_pool, metrics
+        self.block_size, self.block_bytes = block_size, block_bytes
+        self.local_prefill_tokens = local_prefill_tokens
+        self.max_pending_prefills = max_pending_prefills
+        self.tp = engine.engine.config.tensor_parallel_size
+        self.stats = HandoffStats()
+        self.num_pending_prefills = 0  # calls to the prefill pool in flight
+        self.budget = PullBudget(engine.engine.kv_cache_bytes)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """The request's outputs: prefilled here or on the pool (see the module docstring)."""
+        prompt = list(request.prompt_token_ids)
+        have = await self.engine.call(
+            lambda e: e.cached_prefix_blocks(list(request.block_hashes), prompt, request.cache_salt)
+        )
+        uncached = len(prompt) - have * self.block_size
+        if self.prefills_here(uncached):
+            self.stats.num_local_prefills += 1
+            self.stats.local_prefill_tokens += uncached
+            self.metrics.local_prefill()
+            stream = self.engine.generate(
+                request.request_id, prompt, request.params, request.cache_salt
+            )
+            async for out in stream:
+                yield out
+            return
+        # At most a KV cache's worth of handoffs in flight (see the module docstring).
+        reserved = _Reservation(self.budget)
+        await reserved.take(self._handoff_bytes(len(prompt), have))
+        try:
+            async for out in self._handoff(request, prompt, have, reserved):
+                yield out
+        finally:
+            reserved.release()
+
+    async def _handoff(
+        self, request: EngineRequest, prompt: list[int], have: int, reserved: _Reservation
+    ) -> AsyncIterator[RequestOutput]:
+        """Prefill on the pool, import the blocks decode lacks, decode; recompute here if
+        that fails. `reserved` is let go once the KV is in blocks, or is not coming."""
+        for _ in range(_MAX_STALE_RETRIES + 1):
+            sent = time.perf_counter()
+            response = self.prefill_pool.prefill.remote(request, have, self.tp)
+            try:
+                result: PrefillResult = await self._pending(response)
+            except asyncio.CancelledError:
+                response.cancel()  # the prefill replica aborts its request too
+                raise
+            except RequestCancelledError:
+                # Serve cancels this call along with its parent request (the client left,
+                # or its deadline passed), at times before this task sees its own cancel:
+                # the request is over, the prefill pool did not fail it.
+                raise
+            except Exception as e:
+                if isinstance(root_cause(e), InvalidRequestError):
+                    raise  # the request's fault: recomputing would fail alike
+                reserved.release()
+                async for out in self._recompute(request, e, have):
+                    yield out
+                return
+            received = time.perf_counter()
+            if result.handle is None:
+                yield result.output
+                return
+            imported_s = self.engine.stats().kv_import_s
+            stream = self.engine.generate_prefilled(
+                request.request_id,
+                prompt,
+                request.params,
+                result.handle,
+                result.kv_parts,
+                request.cache_salt,
+            )
+            try:
+                first = await anext(stream)
+            except StalePrefixError as e:
+                self.stats.num_stale_retries += 1
+                have = e.num_cached_blocks
+                continue
+            except KVTransferError as e:  # the prefill replica died since it answered
+                reserved.release()
+                async for out in self._recompute(request, e, have):
+                    yield out
+                return
+            try:
+                reserved.release()  # the first output comes after the import
+                self._count_handoff(
+                    result, received - sent, self.engine.stats().kv_import_s - imported_s
+                )
+                # Let go of the export now, so the prefill ranks free it (see
+                # kv_transport), not after the last token.
+                del result, response
+                yield first
+                async for out in stream:
+                    yield out
+            finally:
+                # Now, not whenever the stream is garbage-collected: closing it aborts the
+                # request in the engine and frees its blocks.
+                await stream.aclose()
+            return
+        # Short of KV blocks, this replica evicted the prefix it reported on every try:
+        # the prompt is computed here, which needs no prefix to stay put.
+        stale = StalePrefixError(
+            f"this decode replica evicted the prefix it reported on {_MAX_STALE_RETRIES + 1} "
+            "tries; it is short of KV blocks",
+            have,
+        )
+        reserved.release()
+        async for out in self._recompute(request, stale, have):
+            yield out
+
+    def _handoff_bytes(self, num_tokens: int, have: int) -> int:
+        """What prefill will export for a prompt of which this replica holds `have` blocks."""
+        return (-(-num_tokens // self.block_size) - have) * self.block_bytes
+
+    def prefills_here(self, uncached_tokens: int) -> bool:
+        """Selective disaggregation: whether this replica prefills the prompt itself."""
+        if self.local_prefill_tokens and uncached_tokens <= self.local_prefill_tokens:
+            return True
+        limit = self.max_pending_prefills
+        return limit is not None and self.num_pending_prefills >= limit
+
+    async def _pending(self, response) -> PrefillResult:
+        """The prefill pool's answer, counted as pending while it is awaited."""
+        self.num_pending_prefills += 1
+        try:
+            return await response
+        finally:
+            self.num_pending_prefills -= 1
+
+    async def _recompute(
+        self, request: EngineRequest, error: BaseException, cached_blocks: int
+    ) -> AsyncIterator[RequestOutput]:
+        """The handoff failed (a prefill replica died, none is reachable, the prefix kept
+        going stale): this replica computes the prompt itself, visibly (log, counter,
+        metric), past the `cached_blocks` it held when the request came."""
+        prompt = list(request.prompt_token_ids)
+        tokens = len(prompt) - cached_blocks * self.block_size
+        logger.warning(
+            "request %s: KV handoff failed (%s: %s); recomputing %d prompt tokens here",
+            request.request_id,
+            type(root_cause(error)).__name__,
+            root_cause(error),
+            tokens,
+        )
+        self.stats.num_recomputed_tokens += tokens
+        self.stats.last_failure = f"{type(root_cause(error)).__name__}: {root_cause(error)}"
+        self.metrics.recompute(tokens)
+        stream = self.engine.generate(
+            request.request_id, prompt, request.params, request.cache_salt
+        )
+        async for out in stream:
+            yield out
+
+    def _count_handoff(self, result: PrefillResult, call_s: float, import_s: float) -> None:
+        h = self.stats
+        # The call's time minus prefill's own compute is what the handoff added.
+        seconds = max(call_s - result.prefill_s, 0.0) + import_s
+        h.num_handoffs += 1
+        h.num_direct += any(isinstance(p, KVRef) for p in result.kv_parts)
+        h.num_bytes += result.num_bytes
+        h.blocks_received += sum(p.num_blocks for p in result.kv_parts[:1])
+        h.seconds += seconds
+        h.prefill_seconds += result.prefill_s
+        self.metrics.handoff(result.num_bytes, seconds)
+
+
+class _Reservation:
+    """Bytes of a pull budget one handoff holds, released once (any number of calls)."""
+
+    def __init__(self, budget: PullBudget) -> None:
+        self.budget, self.nbytes = budget, 0
+
+    async def take(self, nbytes: int) -> None:
+        await self.budget.acquire(nbytes)
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        if self.nbytes:
+            self.budget.release(self.nbytes)
+            self.nbytes = 0

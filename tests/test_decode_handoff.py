@@ -1,0 +1,195 @@
+"""serve_app/decode_handoff.py on a real in-process engine (tiny model) and a prefill
+pool that answers, or fails, as Serve's handle would (the whole path runs live in
+test_service*.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from async_engine_helpers import GREEDY, _collect, _engine
+from ray.exceptions import RayActorError
+
+from serve_app.decode_handoff import DecodeHandoff
+from serve_app.protocol import EngineRequest, PrefillResult
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.block_hash import hash_full_blocks, root_hash
+from workers.engine.kv_transfer import StalePrefixError
+from workers.engine.outputs import RequestOutput
+
+PROMPT = list(range(5, 45))  # 2 full blocks of 16 and a partial one
+BLOCK_BYTES = 4096  # what each block of an export counts for in the handoff budget
+
+
+class _PrefillPool:
+    def __init__(self, answer) -> None:
+        self.calls = 0
+        self.prefill = SimpleNamespace(remote=self._call)
+        self._answer = answer
+
+    def _call(self, request, have, tp):
+        self.calls += 1
+        response = asyncio.get_running_loop().create_future()
+        self._answer(response)
+        return response
+
+
+class _AlwaysStale(AsyncEngine):
+    """Evicts the reported prefix before every import, as a decode replica short of KV
+    blocks would."""
+
+    def generate_prefilled(self, request_id, prompt, params, handle, kv_parts, *args, **kw):
+        async def stale():
+            raise StalePrefixError("the prefix went", 0)
+            yield
+
+        return stale()
+
+
+def _handoff(engine: AsyncEngine, pool, recomputed: list | None = None, **kw) -> DecodeHandoff:
+    metrics = SimpleNamespace(recompute=(recomputed if recomputed is not None else []).append)
+    handoff = DecodeHandoff(engine, pool, metrics, block_size=16, block_bytes=BLOCK_BYTES, **kw)
+    handoff.budget.capacity = 3 * BLOCK_BYTES  # one request's worth of handoff in flight
+    return handoff
+
+
+def _request(engine: AsyncEngine, prompt: list[int]) -> EngineRequest:
+    kv = engine.engine.kv  # hashed as the router hashes a prompt
+    hashes = hash_full_blocks(prompt, kv.block_size, root_hash(kv.model_id, None))
+    return EngineRequest("r", tuple(prompt), GREEDY, None, block_hashes=tuple(hashes))
+
+
+async def _tokens(outputs) -> list[int]:
+    return [t async for o in outputs for t in o.new_token_ids]
+
+
+async def _until(condition, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize(
+    ("local_tokens", "max_pending", "pending", "uncached", "here"),
+    [
+        (0, None, 99, 1, False),  # pure disaggregation: every prompt goes to the pool
+        (64, None, 0, 64, True),  # short enough
+        (64, None, 0, 65, False),
+        (0, 2, 1, 4096, False),  # the pool is not yet busy
+        (0, 2, 2, 4096, True),  # it would queue this one behind two
+        (64, 2, 2, 65, True),
+    ],
+)
+def test_decode_prefills_itself_only_when_short_or_the_pool_is_busy(
+    model_dir, local_tokens, max_pending, pending, uncached, here
+):
+    engine = AsyncEngine(_engine(model_dir))
+    try:
+        handoff = _handoff(
+            engine, None, local_prefill_tokens=local_tokens, max_pending_prefills=max_pending
+        )
+        handoff.num_pending_prefills = pending
+        assert handoff.prefills_here(uncached) is here
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_a_failed_prefill_call_is_recomputed_on_decode_with_the_same_output(model_dir):
+    recomputed = []
+
+    async def main():
+        engine = AsyncEngine(_engine(model_dir))
+        try:
+            want = [t for o in await _collect(engine, "alone", PROMPT) for t in o.new_token_ids]
+            dead = _PrefillPool(lambda r: r.set_exception(RayActorError()))
+            handoff = _handoff(engine, dead, recomputed, max_pending_prefills=1)
+            got = await _tokens(handoff.generate(_request(engine, PROMPT)))
+            assert handoff.num_pending_prefills == 0 and handoff.budget.used == 0
+            return want, got, handoff.stats
+        finally:
+            await engine.shutdown()
+
+    want, got, stats = asyncio.run(main())
+    assert got == want
+    # The prompt's two full blocks were cached by the run alone: only the rest is redone.
+    assert stats.num_recomputed_tokens == recomputed[0] == len(PROMPT) - 2 * 16
+    assert "RayActorError" in stats.last_failure
+
+
+def test_a_prefix_that_goes_stale_on_every_try_is_recomputed_not_failed(model_dir):
+    recomputed = []
+
+    async def main():
+        engine = _AlwaysStale(_engine(model_dir))
+        try:
+            want = [t for o in await _collect(engine, "alone", PROMPT) for t in o.new_token_ids]
+            first = RequestOutput("r", [want[0]], "", num_prompt_tokens=len(PROMPT))
+            handle = SimpleNamespace()  # never read: the import is refused first
+            answer = PrefillResult(first, handle, [], prefill_s=0.0)
+            pool = _PrefillPool(lambda r: r.set_result(answer))
+            handoff = _handoff(engine, pool, recomputed)
+            got = await _tokens(handoff.generate(_request(engine, PROMPT)))
+            assert handoff.budget.used == 0
+            return want, got, handoff.stats, pool.calls
+        finally:
+            await engine.shutdown()
+
+    want, got, stats, calls = asyncio.run(main())
+    assert got == want and calls == 4  # the first try and three retries
+    assert stats.num_stale_retries == 4 and "StalePrefixError" in stats.last_failure
+    assert recomputed == [len(PROMPT)]  # the last stale answer said 0 blocks held
+
+
+def test_decode_asks_for_a_prefill_only_while_its_handoffs_in_flight_leave_room(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir))
+        try:
+            pool = _PrefillPool(lambda r: r.set_exception(RayActorError()))
+            handoff = _handoff(engine, pool)
+            budget = handoff.budget
+            await budget.acquire(budget.capacity)  # handoffs in flight hold it all
+            decoding = asyncio.ensure_future(_tokens(handoff.generate(_request(engine, PROMPT))))
+            await _until(lambda: budget.num_waiting == 1)
+            assert pool.calls == 0
+            budget.release(budget.capacity)
+            await decoding
+            assert pool.calls == 1 and budget.used == 0
+            # Cancelled while it waits for room, a request takes nothing.
+            await budget.acquire(budget.capacity)
+            waiting = asyncio.ensure_future(_tokens(handoff.generate(_request(engine, PROMPT))))
+            await _until(lambda: budget.num_waiting == 1)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            budget.release(budget.capacity)
+            assert budget.used == 0 and pool.calls == 1
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_prefill_call_counts_as_pending_until_it_answers_or_fails(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir))
+        try:
+            handoff = _handoff(engine, None, max_pending_prefills=1)
+            answer = asyncio.get_running_loop().create_future()
+            call = asyncio.ensure_future(handoff._pending(answer))
+            await asyncio.sleep(0)
+            assert handoff.num_pending_prefills == 1 and handoff.prefills_here(4096)
+            answer.set_result("result")
+            assert await call == "result" and handoff.num_pending_prefills == 0
+            failing = asyncio.get_running_loop().create_future()
+            call = asyncio.ensure_future(handoff._pending(failing))
+            await asyncio.sleep(0)
+            failing.set_exception(ConnectionError("the prefill replica died"))
+            with pytest.raises(ConnectionError):
+                await call
+            assert handoff.num_pending_prefills == 0 and not handoff.prefills_here(4096)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
