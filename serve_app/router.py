@@ -157,9 +157,8 @@ class Router:
             self.frontend.build_request(uuid.uuid4().hex, ids, p, cache_salt) for p in choices
         ]
         if requests[0].block_hashes:
-            requests = [
-                replace(r, prefix_hits=await self._prefix_hits(requests[0])) for r in requests
-            ]
+            hits = await self.registry.longest_prefixes(requests[0].block_hashes)
+            requests = [replace(r, prefix_hits=hits) for r in requests]
         requests = [replace(r, router_id=self.demux.router_id) for r in requests]
         return [
             (r, self.frontend.text_stream(ids, p)) for r, p in zip(requests, choices, strict=True)
