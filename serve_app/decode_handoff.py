@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from ray.serve.exceptions import RequestCancelledError
@@ -92,7 +93,8 @@ class DecodeHandoff:
         self.tp = engine.engine.config.tensor_parallel_size
         self.stats = HandoffStats()
         self.num_pending_prefills = 0  # calls to the prefill pool in flight
-        self.budget = PullBudget(engine.engine.kv_cache_bytes)
+        # As many blocks of the prefill pool's exports as this replica's KV cache holds.
+        self.budget = PullBudget(engine.engine.kv.num_blocks * block_bytes)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs: prefilled here or on the pool (see the module docstring)."""
@@ -101,24 +103,40 @@ class DecodeHandoff:
             lambda e: e.cached_prefix_blocks(list(request.block_hashes), prompt, request.cache_salt)
         )
         uncached = len(prompt) - have * self.block_size
-        if self.prefills_here(uncached):
-            self.stats.num_local_prefills += 1
-            self.stats.local_prefill_tokens += uncached
-            self.metrics.local_prefill()
-            stream = self.engine.generate(
-                request.request_id, prompt, request.params, request.cache_salt
-            )
-            async for out in stream:
-                yield out
-            return
-        # At most a KV cache's worth of handoffs in flight (see the module docstring).
         reserved = _Reservation(self.budget)
-        await reserved.take(self._handoff_bytes(len(prompt), have))
         try:
-            async for out in self._handoff(request, prompt, have, reserved):
-                yield out
+            remote = not self.prefills_here(uncached)
+            if remote:
+                # At most a KV cache's worth of handoffs in flight (module docstring).
+                await reserved.take(self._handoff_bytes(len(prompt), have))
+                # Asked again after the wait for room: meanwhile enough prefill calls may
+                # have gone out for this prompt to be better prefilled here.
+                remote = not self.prefills_here(uncached)
+            if remote:
+                outputs = self._handoff(request, prompt, have, reserved)
+            else:
+                reserved.release()
+                outputs = self._prefill_here(request, prompt, uncached)
+            # Closed with this generator, not at garbage collection: closing the engine
+            # stream aborts the request and frees its blocks at once.
+            async with aclosing(outputs):
+                async for out in outputs:
+                    yield out
         finally:
             reserved.release()
+
+    async def _prefill_here(
+        self, request: EngineRequest, prompt: list[int], uncached: int
+    ) -> AsyncIterator[RequestOutput]:
+        self.stats.num_local_prefills += 1
+        self.stats.local_prefill_tokens += uncached
+        self.metrics.local_prefill()
+        stream = self.engine.generate(
+            request.request_id, prompt, request.params, request.cache_salt
+        )
+        async with aclosing(stream):
+            async for out in stream:
+                yield out
 
     async def _handoff(
         self, request: EngineRequest, prompt: list[int], have: int, reserved: _Reservation
@@ -158,18 +176,20 @@ class DecodeHandoff:
                 result.kv_parts,
                 request.cache_salt,
             )
-            try:
-                first = await anext(stream)
-            except StalePrefixError as e:
-                self.stats.num_stale_retries += 1
-                have = e.num_cached_blocks
-                continue
-            except KVTransferError as e:  # the prefill replica died since it answered
-                reserved.release()
-                async for out in self._recompute(request, e, have):
-                    yield out
-                return
-            try:
+            async with aclosing(stream):
+                try:
+                    first = await anext(stream)
+                except StalePrefixError as e:
+                    self.stats.num_stale_retries += 1
+                    have = e.num_cached_blocks
+                    # The next export starts earlier: it is that much larger.
+                    await reserved.resize(self._handoff_bytes(len(prompt), have))
+                    continue
+                except KVTransferError as e:  # the prefill replica died since it answered
+                    reserved.release()
+                    async for out in self._recompute(request, e, have):
+                        yield out
+                    return
                 reserved.release()  # the first output comes after the import
                 self._count_handoff(
                     result, received - sent, self.engine.stats().kv_import_s - imported_s
@@ -180,10 +200,6 @@ class DecodeHandoff:
                 yield first
                 async for out in stream:
                     yield out
-            finally:
-                # Now, not whenever the stream is garbage-collected: closing it aborts the
-                # request in the engine and frees its blocks.
-                await stream.aclose()
             return
         # Short of KV blocks, this replica evicted the prefix it reported on every try:
         # the prompt is computed here, which needs no prefix to stay put.
@@ -236,8 +252,9 @@ class DecodeHandoff:
         stream = self.engine.generate(
             request.request_id, prompt, request.params, request.cache_salt
         )
-        async for out in stream:
-            yield out
+        async with aclosing(stream):
+            async for out in stream:
+                yield out
 
     def _count_handoff(self, result: PrefillResult, call_s: float, import_s: float) -> None:
         h = self.stats
@@ -261,6 +278,16 @@ class _Reservation:
     async def take(self, nbytes: int) -> None:
         await self.budget.acquire(nbytes)
         self.nbytes = nbytes
+
+    async def resize(self, nbytes: int) -> None:
+        """Holds `nbytes` instead (waiting for room if it grows)."""
+        if nbytes > self.nbytes:
+            more = nbytes - self.nbytes
+            await self.budget.acquire(more)
+            self.nbytes = nbytes
+        elif nbytes < self.nbytes:
+            self.budget.release(self.nbytes - nbytes)
+            self.nbytes = nbytes
 
     def release(self) -> None:
         if self.nbytes:

@@ -72,7 +72,10 @@ class PrefixIndex:
     Recency runs deepest block first: a chain's blocks are stored and matched in prompt
     order, and refreshing them in reverse leaves its root the most recent, so the bound
     drops a chain from its tail. Dropping roots first would orphan the rest of the chain,
-    entries no prefix match can reach any more.
+    entries no prefix match can reach any more. That holds within one batch of events
+    and one query: a prompt stored over several engine steps (longer than a step's token
+    budget, or its decode blocks) has older roots until a router asks for it, which
+    refreshes the whole matched run. (The hashes carry no parent links to do better.)
     """
 
     def __init__(

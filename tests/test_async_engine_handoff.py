@@ -11,10 +11,13 @@ import asyncio
 import time
 
 import pytest
+import torch
 from async_engine_helpers import GREEDY, TIMEOUT, _all_blocks_free, _engine, _until
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine
+from workers.engine.errors import EngineDeadError
+from workers.engine.kv_transport import KVRef
 
 
 def test_a_prefill_only_stream_hands_off_to_a_second_engine_through_call(model_dir):
@@ -159,5 +162,32 @@ def test_a_consumer_gone_before_reading_its_finished_prefill_frees_the_handoff(m
         await _until(lambda: _all_blocks_free(engine), "the held blocks to be freed")
         assert engine.stats().handoffs_expired == 0
         await engine.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_tp_rank_that_dies_during_a_pull_makes_the_engine_unhealthy_at_once(
+    ray_cluster, model_dir
+):
+    # Pulls run off the engine thread: an idle engine would never step into the dead
+    # rank, so without this its replica would keep passing health checks and drawing
+    # requests that all fail.
+    ray = ray_cluster
+
+    async def main():
+        engine = AsyncEngine(_engine(model_dir, tensor_parallel_size=2))
+        try:
+            cfg, block = engine.engine.model_config, engine.engine.config.block_size
+            shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 1, block, cfg.head_dim)
+            data = ray.put(torch.zeros(shape))
+            part = KVRef(((0, shape[2], data),), shape, torch.float32, 0, 1)
+            assert engine.is_healthy()
+            ray.kill(engine.engine.runner.workers[1])
+            with pytest.raises(EngineDeadError, match="TP rank 1 of 2 failed"):
+                await asyncio.to_thread(engine.engine.prefetch_kv, [part])
+            assert not engine.is_healthy()
+        finally:
+            await engine.shutdown()
 
     asyncio.run(main())

@@ -12,6 +12,7 @@ from async_engine_helpers import GREEDY, _collect, _engine
 from ray.exceptions import RayActorError
 
 from serve_app.decode_handoff import DecodeHandoff
+from serve_app.engine_server import EngineServer
 from serve_app.protocol import EngineRequest, PrefillResult
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import hash_full_blocks, root_hash
@@ -48,7 +49,11 @@ class _AlwaysStale(AsyncEngine):
 
 
 def _handoff(engine: AsyncEngine, pool, recomputed: list | None = None, **kw) -> DecodeHandoff:
-    metrics = SimpleNamespace(recompute=(recomputed if recomputed is not None else []).append)
+    metrics = SimpleNamespace(
+        recompute=(recomputed if recomputed is not None else []).append,
+        handoff=lambda num_bytes, seconds: None,
+        local_prefill=lambda: None,
+    )
     handoff = DecodeHandoff(engine, pool, metrics, block_size=16, block_bytes=BLOCK_BYTES, **kw)
     handoff.budget.capacity = 3 * BLOCK_BYTES  # one request's worth of handoff in flight
     return handoff
@@ -189,6 +194,75 @@ def test_a_prefill_call_counts_as_pending_until_it_answers_or_fails(model_dir):
             with pytest.raises(ConnectionError):
                 await call
             assert handoff.num_pending_prefills == 0 and not handoff.prefills_here(4096)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+class _PrefillReplica(EngineServer):
+    def __del__(self) -> None:  # Serve awaits the real one on shutdown; nothing to undo here
+        pass
+
+
+class _LivePrefillPool:
+    """The prefill role's own code (EngineServer.prefill) on an in-process engine, called
+    as the decode replica calls the pool."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.replica = _PrefillReplica.__new__(_PrefillReplica)
+        self.replica.role, self.replica.engine = "prefill", engine
+        self.prefill = SimpleNamespace(remote=self._call)
+
+    def _call(self, request, have, tp):
+        return asyncio.ensure_future(self.replica.prefill(request, have, tp))
+
+
+def test_a_handoff_decodes_as_one_engine_would_and_frees_its_budget_at_the_import(model_dir):
+    async def main():
+        alone = AsyncEngine(_engine(model_dir))
+        prefill, decode = AsyncEngine(_engine(model_dir)), AsyncEngine(_engine(model_dir))
+        try:
+            want = [t for o in await _collect(alone, "alone", PROMPT) for t in o.new_token_ids]
+            handoff = _handoff(decode, _LivePrefillPool(prefill))
+            outputs = handoff.generate(_request(decode, PROMPT))
+            first = await anext(outputs)
+            assert handoff.budget.used == 0  # the KV is in decode's blocks now
+            got = first.new_token_ids + await _tokens(outputs)
+            stats = handoff.stats
+            assert got == want and stats.num_handoffs == 1 and stats.num_recomputed_tokens == 0
+            assert stats.blocks_received == 3  # the whole prompt: decode held none of it
+            # Closed after its first output, a request is aborted at once on decode, not
+            # whenever its inner streams are garbage-collected.
+            aborts, enqueue = [], decode._enqueue_abort
+            decode._enqueue_abort = lambda abort: aborts.append(abort) or enqueue(abort)
+            outputs = handoff.generate(_request(decode, PROMPT))
+            await anext(outputs)
+            await outputs.aclose()
+            assert [a.request_id for a in aborts] == ["r"] and handoff.budget.used == 0
+        finally:
+            for engine in (alone, prefill, decode):
+                await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_request_that_waited_for_room_is_prefilled_here_if_the_pool_got_busy(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir))
+        try:
+            want = [t for o in await _collect(engine, "alone", PROMPT) for t in o.new_token_ids]
+            pool = _PrefillPool(lambda r: r.set_exception(RayActorError()))
+            handoff = _handoff(engine, pool, max_pending_prefills=1)
+            budget = handoff.budget
+            await budget.acquire(budget.capacity)
+            decoding = asyncio.ensure_future(_tokens(handoff.generate(_request(engine, PROMPT))))
+            await _until(lambda: budget.num_waiting == 1)
+            handoff.num_pending_prefills = 1  # meanwhile another request called the pool
+            budget.release(budget.capacity)
+            assert await decoding == want
+            assert pool.calls == 0 and handoff.stats.num_local_prefills == 1
+            assert budget.used == 0
         finally:
             await engine.shutdown()
 

@@ -249,7 +249,8 @@ class AsyncEngine:
 
     def is_healthy(self) -> bool:
         with self._cond:
-            return self._error is None and not self._stopping and self._thread.is_alive()
+            alive = self._error is None and not self._stopping and self._thread.is_alive()
+        return alive and self.engine.runner_failure() is None
 
     async def shutdown(self) -> None:
         """Aborts every request, stops the engine thread and shuts the engine down. Idempotent."""

@@ -383,6 +383,11 @@ class LLMEngine:
         if self.config.num_threads is not None and self.config.tensor_parallel_size == 1:
             use_num_threads(self.config.num_threads)
 
+    def runner_failure(self) -> str | None:
+        """Why the TP worker group is unusable, or None. A rank that dies during a KV pull
+        (off the engine thread) shows here before any step runs into it."""
+        return self.runner.failure if isinstance(self.runner, TPWorkerGroup) else None
+
     def shutdown(self) -> None:
         """Releases the TP worker processes, if any; the engine is unusable afterwards."""
         if isinstance(self.runner, TPWorkerGroup):

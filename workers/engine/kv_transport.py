@@ -34,7 +34,9 @@ nixl fetch loads the exporter's agent metadata into a per-process cache without 
 lock, and two threads fetching from one exporter at once crashed the importer
 (a segfault in NIXL's `add_remote_agent`, 8 threads fetching from one exporter) or
 failed the transfer (`NIXL_ERR_INVALID_PARAM` from `loadRemoteMD`). A decode replica
-pulls its handoffs on threads of its own, so they would meet there.
+pulls its handoffs on threads of its own, so they would meet there. The cost: a
+transfer that hangs (its exporter's node cut off but not yet declared dead) holds up
+the process's other pulls until Ray fails it.
 """
 
 from __future__ import annotations

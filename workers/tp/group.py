@@ -193,6 +193,12 @@ class TPWorkerGroup:
             self._ray.kill(w)
         self._remove_pg(pg)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the group is unusable (a rank died, seen by a step or a KV pull; or it was
+        shut down), or None."""
+        return self._failure
+
     def _ranks(self) -> list:
         if self._failure is not None:
             raise EngineDeadError(f"TP worker group unusable: {self._failure}")
