@@ -43,16 +43,18 @@ def prompt_from_proto(request: pb.GenerateRequest | pb.TokenizeRequest) -> Promp
 
 def params_from_proto(request: pb.GenerateRequest, room: int) -> SamplingParams:
     """The request's sampling parameters; `room` is what the context has left after its
-    prompt. Unset, max_tokens is DEFAULT_MAX_TOKENS or that room, whichever is less."""
+    prompt. Unset, max_tokens is DEFAULT_MAX_TOKENS (or min_tokens, if more) or that
+    room, whichever is less."""
 
     def opt(name: str, default):
         return getattr(request, name) if request.HasField(name) else default
 
-    if not request.HasField("max_tokens") and room < 1:
-        # Else the engine's refusal would blame a max_tokens the client never sent.
-        raise InvalidRequestError("prompt: fills the model's whole context; shorten it")
     return SamplingParams(
-        max_tokens=opt("max_tokens", min(DEFAULT_MAX_TOKENS, room)),
+        # At least 1: a prompt that leaves no room is refused by the check against the
+        # model, which blames the prompt, not a max_tokens the client never sent.
+        max_tokens=opt(
+            "max_tokens", max(1, min(max(DEFAULT_MAX_TOKENS, request.min_tokens), room))
+        ),
         temperature=opt("temperature", 1.0),
         top_p=opt("top_p", 1.0),
         top_k=request.top_k,

@@ -17,9 +17,15 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from serve_app.prompts import PromptInput
+from serve_app.prompts import MAX_MESSAGES, PromptInput
 from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from workers.engine.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 # An HTTP body over this is refused before it is parsed (gRPC's own limit is 4 MiB).
 MAX_BODY_BYTES = 16 * 2**20
@@ -81,6 +87,25 @@ def _check_unsupported(body: dict[str, Any]) -> None:
         raise InvalidRequestError(f"{name}: {why}; {allowed}, got {got}", param=name)
 
 
+# The list fields' bounds, checked before a body is parsed into models: parsing a million
+# entries only to refuse them would hold the router's event loop for seconds.
+_MAX_ENTRIES = {
+    "messages": MAX_MESSAGES,
+    "stop": MAX_STOP_STRINGS,
+    "stop_token_ids": MAX_STOP_TOKEN_IDS,
+    "logit_bias": MAX_LOGIT_BIAS_TOKENS,
+}
+
+
+def _check_sizes(body: dict[str, Any]) -> None:
+    for name, limit in _MAX_ENTRIES.items():
+        value = body.get(name)
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise InvalidRequestError(
+                f"{name} takes at most {limit} entries, got {len(value)}", param=name
+            )
+
+
 class _Body(BaseModel):
     # Strict: true is not 1, "5" is not 5. Non-finite floats mean nothing to the sampler.
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -126,6 +151,7 @@ class _Request(_Body):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             _check_unsupported(data)
+            _check_sizes(data)
         return data
 
     @model_validator(mode="after")
@@ -138,6 +164,11 @@ class _Request(_Body):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def as_sent(self, error: InvalidRequestError) -> InvalidRequestError:
+        """`error` with its `param` named as this request names the field: the engine's
+        checks against the model name the prompt `prompt` and the budget `max_tokens`."""
+        return error
 
     def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -207,7 +238,7 @@ class CompletionRequest(_Request):
         max_tokens = self.max_tokens
         if max_tokens is None:
             default = max(DEFAULT_COMPLETION_MAX_TOKENS, self.min_tokens)
-            max_tokens = min(default, _room_left("prompt", room))
+            max_tokens = min(default, _room_left(room))
         return self._params(max_tokens, self.logprobs)
 
 
@@ -244,6 +275,13 @@ class ChatCompletionRequest(_Request):
     def prompt_input(self) -> PromptInput:
         return PromptInput(messages=tuple((m.role, m.text(i)) for i, m in enumerate(self.messages)))
 
+    def as_sent(self, error: InvalidRequestError) -> InvalidRequestError:
+        if error.param == "prompt":
+            error.param = "messages"
+        elif error.param == "max_tokens" and self.max_completion_tokens is not None:
+            error.param = "max_completion_tokens"
+        return error
+
     def sampling_params(self, room: int) -> SamplingParams:
         """`room`: tokens the context has left after the prompt, the default budget.
         max_completion_tokens wins over max_tokens, which OpenAI deprecates in its favour."""
@@ -251,7 +289,7 @@ class ChatCompletionRequest(_Request):
         if max_tokens is None:
             max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = _room_left("messages", room)
+            max_tokens = _room_left(room)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs)
 
@@ -264,15 +302,11 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
 
 
-def _room_left(prompt_field: str, room: int) -> int:
-    """The context's room after the prompt, for a request that sent no max_tokens; a
-    prompt that leaves none is blamed, not the max_tokens the client never sent."""
-    if room < 1:
-        raise InvalidRequestError(
-            f"{prompt_field}: the prompt fills the model's whole context; shorten it",
-            param=prompt_field,
-        )
-    return room
+def _room_left(room: int) -> int:
+    """The default budget of a request that sent none: the context's room after the prompt.
+    At least 1: a prompt that leaves no room is then refused by the check against the
+    model, which blames the prompt (with its length), not a budget the client never sent."""
+    return max(room, 1)
 
 
 _FIELDS = {
@@ -319,7 +353,9 @@ async def json_body(raw: Request) -> object:
         chunks.append(chunk)
     try:
         return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except RecursionError:
+        raise InvalidRequestError("the request body nests JSON too deeply") from None
+    except ValueError:  # bad JSON or UTF-8, or an integer past Python's digit limit
         raise InvalidRequestError("the request body must be a JSON object") from None
 
 

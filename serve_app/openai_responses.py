@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.errors import public_error, root_cause
+from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 
@@ -109,7 +110,12 @@ class ResponseBuilder:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.decode_token(t): v for t, v in lp.top} for lp in lps],
+            # The sampled token is always among them, as in OpenAI's and vLLM's (so up to
+            # logprobs + 1 entries when it was not among the most likely).
+            "top_logprobs": [
+                {tokens[i]: lp.logprob} | {self.decode_token(t): v for t, v in lp.top}
+                for i, lp in enumerate(lps)
+            ],
             "text_offset": offsets,
         }
 
@@ -176,13 +182,15 @@ def http_error(exc: BaseException) -> JSONResponse:
     """The error response for a request that failed before its first byte was sent."""
     kind, message = public_error(exc)
     status = HTTP_STATUS.get(kind, 500)
-    param = getattr(root_cause(exc), "param", None)  # the field at fault, if one is
+    cause = root_cause(exc)
+    param = getattr(cause, "param", None)  # the field at fault, if one is
     if kind == "unauthenticated":  # as OpenAI answers a bad key
         body = error_body(message, HTTP_ERROR_TYPE[kind], code="invalid_api_key")
         return JSONResponse(body, status, headers={"WWW-Authenticate": "Bearer"})
     # A client backs off for at least this long before it retries a 503.
     headers = {"Retry-After": "1"} if status == 503 else None
-    body = error_body(message, HTTP_ERROR_TYPE.get(kind, kind), param)
+    code = cause.code if isinstance(cause, InvalidRequestError) else None
+    body = error_body(message, HTTP_ERROR_TYPE.get(kind, kind), param, code)
     return JSONResponse(body, status, headers=headers)
 
 

@@ -18,9 +18,20 @@ from serve_app.protocol import EngineRequest
 from serve_app.text_stream import TextStream, engine_params
 from workers.engine.block_hash import hash_full_blocks, root_hash
 from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling_params import SamplingParams, check_request, check_text
+from workers.engine.sampling_params import (
+    SamplingParams,
+    check_prompt_fits,
+    check_request,
+    check_text,
+)
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import Tokenizer, eos_token_ids
+
+# Messages in one chat prompt (OpenAI's own bound): each costs the chat template a render,
+# so a body of a million empty ones would hold the tokenizing thread for seconds.
+MAX_MESSAGES = 2048
+# What the chat template adds per message (role markers), for the size of the work.
+_TEMPLATE_CHARS_PER_MESSAGE = 16
 
 
 @dataclass(frozen=True)
@@ -37,11 +48,18 @@ class PromptInput:
             raise InvalidRequestError(
                 "prompt: give exactly one of text, chat messages or token ids"
             )
+        if self.messages is not None and len(self.messages) > MAX_MESSAGES:
+            raise InvalidRequestError(
+                f"messages: at most {MAX_MESSAGES} messages, got {len(self.messages)}",
+                param="messages",
+            )
 
     def num_chars(self) -> int:
-        """The text's length, all messages' together; 0 for token ids."""
+        """Characters to tokenize: the text, or all messages' with their template's markup;
+        0 for token ids."""
         if self.messages is not None:
-            return sum(len(content) for _, content in self.messages)
+            markup = _TEMPLATE_CHARS_PER_MESSAGE * len(self.messages)
+            return markup + sum(len(content) for _, content in self.messages)
         return len(self.text or "")
 
 
@@ -85,6 +103,12 @@ class ModelFrontend:
                     f"messages: the model's chat template refused them: {e}"
                 ) from e
         return self.tokenizer.encode(check_text(prompt.text, "prompt"))
+
+    def room_after(self, ids: list[int]) -> int:
+        """Tokens the context has left after this prompt (the default budget); refuses a
+        prompt that leaves none before any budget is checked, as the prompt's fault."""
+        check_prompt_fits(len(ids), self.max_model_len)
+        return self.max_model_len - len(ids)
 
     def build_request(
         self,

@@ -51,6 +51,7 @@ from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
 from serve_app.stream_merge import merge_streams
 from serve_app.text_stream import TextStream
+from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import model_identity
@@ -215,7 +216,7 @@ class Router:
         try:
             self._authorize(_grpc_authorization(grpc_context))
             ids = await self._tokenize(prompt_from_proto(request))
-            params = params_from_proto(request, self.frontend.max_model_len - len(ids))
+            params = params_from_proto(request, self.frontend.room_after(ids))
             ((engine_request, text),) = await self._engine_requests(
                 ids, [params], request.cache_salt or None
             )
@@ -354,6 +355,7 @@ class Router:
 
     async def _openai(self, raw: Request, model: type, chat: bool):
         started = time.perf_counter()
+        req = None
         try:
             self._authorize(raw.headers.get("authorization"))
             req = openai_api.parse(model, await openai_api.json_body(raw))
@@ -361,11 +363,13 @@ class Router:
                 self.metrics.ended("http", "invalid")
                 return self._model_not_found(req.model)
             ids = await self._tokenize(req.prompt_input())
-            params = req.sampling_params(self.frontend.max_model_len - len(ids))
+            params = req.sampling_params(self.frontend.room_after(ids))
             choices = await self._engine_requests(
                 ids, openai_api.choice_params(params, req.n), req.cache_salt
             )
         except Exception as e:
+            if req is not None and isinstance(e, InvalidRequestError):
+                req.as_sent(e)
             self._refused("http", e)
             return http_error(e)
         builder = ResponseBuilder(

@@ -196,9 +196,12 @@ def test_the_context_length_is_what_the_kv_cache_holds_and_requests_past_it_are_
 ):
     engine = _engine(model_dir, num_kv_blocks=2)  # 2 blocks of 16 tokens
     assert engine.max_model_len == 32
-    with pytest.raises(InvalidRequestError, match="exceeds the context length 32") as err:
+    with pytest.raises(InvalidRequestError, match="maximum context length is 32") as err:
         engine.add_request("big", [5] * 30, SamplingParams(max_tokens=10))
-    assert err.value.param == "max_tokens"
+    assert (err.value.param, err.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(InvalidRequestError, match="the prompt is 32 tokens") as err:
+        engine.add_request("full", [5] * 32, SamplingParams(max_tokens=1))
+    assert (err.value.param, err.value.code) == ("prompt", "context_length_exceeded")
     (fits,) = engine.generate([[5] * 22], SamplingParams(max_tokens=10, ignore_eos=True))
     assert len(fits.output_token_ids) == 10
 

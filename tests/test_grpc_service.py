@@ -68,8 +68,13 @@ def test_penalties_min_p_and_logit_bias_convert_and_default_to_off():
 
 def test_an_unset_max_tokens_fits_the_room_the_prompt_leaves():
     assert params_from_proto(pb.GenerateRequest(text="x"), room=40).max_tokens == 40
-    with pytest.raises(InvalidRequestError, match="^prompt: fills the model's whole context"):
-        params_from_proto(pb.GenerateRequest(text="x"), room=0)
+    # No room: the check against the model then blames the prompt (test_prompts.py).
+    assert params_from_proto(pb.GenerateRequest(text="x"), room=0).max_tokens == 1
+    # An unset max_tokens rises to min_tokens, as far as the room allows.
+    long_min = pb.GenerateRequest(text="x", min_tokens=300)
+    assert params_from_proto(long_min, room=400).max_tokens == 300
+    with pytest.raises(InvalidRequestError, match=r"min_tokens .* in \[0, max_tokens=40\]"):
+        params_from_proto(long_min, room=40)
     # Sent, it is the client's: the engine's check then names the prompt and that budget.
     assert params_from_proto(pb.GenerateRequest(text="x", max_tokens=9), room=0).max_tokens == 9
 

@@ -19,7 +19,7 @@ from serve_app.openai_api import (
 )
 from serve_app.openai_responses import error_body
 from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampling_params import SamplingParams, check_request
 
 MESSAGES = [{"role": "user", "content": "a"}]
 
@@ -85,15 +85,17 @@ def test_completions_default_to_16_tokens_or_the_room_left():
     req = parse(CompletionRequest, _completion())
     assert req.sampling_params(room=1000).max_tokens == 16
     assert req.sampling_params(room=5).max_tokens == 5
-    with pytest.raises(InvalidRequestError, match="^prompt: the prompt fills") as refused:
-        req.sampling_params(room=0)
-    assert refused.value.param == "prompt"
+    # No room: the check against the model then blames the prompt (test_prompts.py).
+    assert req.sampling_params(room=0).max_tokens == 1
 
 
 def test_a_chat_prompt_that_fills_the_context_is_blamed_not_an_unsent_max_tokens():
-    with pytest.raises(InvalidRequestError, match="^messages: the prompt fills") as refused:
-        parse(ChatCompletionRequest, _chat()).sampling_params(room=0)
-    assert refused.value.param == "messages"
+    chat = parse(ChatCompletionRequest, _chat())
+    assert chat.sampling_params(room=0).max_tokens == 1
+    with pytest.raises(InvalidRequestError) as refused:
+        check_request([1] * 8, chat.sampling_params(room=0), 100, 8)
+    assert chat.as_sent(refused.value).param == "messages"
+    assert refused.value.code == "context_length_exceeded"
     # With a budget of its own, the engine's check names the prompt and that budget.
     assert parse(ChatCompletionRequest, _chat(max_tokens=5)).sampling_params(0).max_tokens == 5
 
@@ -303,7 +305,7 @@ def test_stream_options_need_a_stream():
     [
         ({"top_p": 2}, "top_p", "(0, 1]"),
         ({"temperature": -1}, "temperature", "[0, 100]"),
-        ({"top_k": -2}, "top_k", ">= 0, or -1"),
+        ({"top_k": -2}, "top_k", "in [-1, 2147483647]"),
         ({"seed": 2**63}, "seed", "[0, 2**63)"),
         ({"stop": [""]}, "stop", "non-empty"),
         ({"logprobs": 21}, "logprobs", "[0, 20]"),
@@ -335,6 +337,34 @@ def test_one_prompt_per_request():
     with pytest.raises(InvalidRequestError, match="one prompt per request") as err:
         req.prompt_input()
     assert err.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [
+        ("messages", MESSAGES * 2049, 2048),
+        ("stop", ["x"] * 65, 64),
+        ("stop_token_ids", [1] * 1025, 1024),
+        ("logit_bias", {str(i): 1.0 for i in range(1025)}, 1024),
+    ],
+)
+def test_list_fields_are_bounded_before_they_are_parsed(field, value, limit):
+    with pytest.raises(InvalidRequestError, match=f"^{field} takes at most {limit} entries") as e:
+        parse(ChatCompletionRequest, _chat(**{field: value}))
+    assert e.value.param == field
+
+
+def test_context_errors_name_the_fields_the_client_sent():
+    chat = parse(ChatCompletionRequest, _chat(max_completion_tokens=9))
+    prompt_error = InvalidRequestError("too long", param="prompt")
+    assert chat.as_sent(prompt_error).param == "messages"
+    assert chat.as_sent(InvalidRequestError("x", param="max_tokens")).param == (
+        "max_completion_tokens"
+    )
+    legacy = parse(ChatCompletionRequest, _chat(max_tokens=9))
+    assert legacy.as_sent(InvalidRequestError("x", param="max_tokens")).param == "max_tokens"
+    completion = parse(CompletionRequest, _completion())
+    assert completion.as_sent(InvalidRequestError("x", param="prompt")).param == "prompt"
 
 
 def test_an_error_body_carries_the_field_as_its_param():
@@ -370,6 +400,10 @@ def test_a_body_is_read_as_json_up_to_its_limit():
     client = TestClient(app)
     assert client.post("/", json={"a": 1}).json() == {"a": 1}
     assert "must be a JSON object" in client.post("/", content=b"{oops").json()["refused"]
+    # Python's own limits on JSON are the client's error too, not a 500.
+    assert "nests JSON too deeply" in client.post("/", content=b"[" * 100_000).json()["refused"]
+    huge_int = b'{"max_tokens": ' + b"9" * 5000 + b"}"
+    assert "must be a JSON object" in client.post("/", content=huge_int).json()["refused"]
     big = b'"' + b"x" * MAX_BODY_BYTES + b'"'
     refused = client.post("/", content=big).json()["refused"]
     assert f"at most {MAX_BODY_BYTES}" in refused

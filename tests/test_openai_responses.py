@@ -13,7 +13,7 @@ from serve_app.openai_responses import DONE_EVENT, ResponseBuilder, http_error, 
 from serve_app.stream_merge import merge_streams
 from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import TokenLogprob
+from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_request
 from workers.engine.sequence import FinishReason
 
 
@@ -42,6 +42,17 @@ def test_a_completion_object_carries_text_finish_reason_and_usage():
         "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 1},
     }
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token():
+    # Sampled 7; the one alternative asked for is token 3, more likely.
+    lps = [TokenLogprob(7, -1.5, ((3, -0.5),)), TokenLogprob(3, -0.5, ())]
+    outs = [RequestOutput("r", [7, 3], "ab", lps, True, FinishReason.LENGTH, 4, 2, 0)]
+    body = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes).complete([outs])
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [
+        {"<7>": -1.5, "<3>": -0.5},
+        {"<3>": -0.5},
+    ]
 
 
 def test_n_choices_each_have_their_index_and_count_the_prompt_once():
@@ -108,6 +119,16 @@ def test_an_http_error_names_the_field_at_fault_as_its_param():
     error = json.loads(response.body)["error"]
     assert response.status_code == 400 and error["param"] == "max_tokens"
     assert error["type"] == "invalid_request_error" and "max_tokens" in error["message"]
+
+
+def test_a_prompt_past_the_context_carries_openais_code_for_it():
+    # Clients trim a conversation and retry on this code.
+    with pytest.raises(InvalidRequestError) as refused:
+        check_request([1] * 40, SamplingParams(max_tokens=1), 100, 32)
+    error = json.loads(http_error(refused.value).body)["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert "maximum context length is 32 tokens" in error["message"]
+    assert json.loads(http_error(InvalidRequestError("x")).body)["error"]["code"] is None
 
 
 def test_a_missing_key_is_a_401_that_asks_for_a_bearer_token():

@@ -61,8 +61,15 @@ def test_bad_prompts_name_the_field(frontend, prompt, named):
         frontend.tokenize(prompt)
 
 
+def test_the_room_after_a_prompt_and_a_prompt_that_leaves_none(frontend):
+    assert frontend.room_after([1] * 200) == 56
+    with pytest.raises(InvalidRequestError, match="the prompt is 256 tokens") as err:
+        frontend.room_after([1] * 256)
+    assert (err.value.param, err.value.code) == ("prompt", "context_length_exceeded")
+
+
 def test_requests_beyond_the_context_or_vocabulary_are_refused(frontend):
-    with pytest.raises(InvalidRequestError, match="exceeds the context length 256"):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 256"):
         frontend.build_request("r", [1] * 200, SamplingParams(max_tokens=100), None)
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         frontend.build_request("r", [1], SamplingParams(stop_token_ids=(5000,)), None)
@@ -96,8 +103,15 @@ def test_a_lone_surrogate_is_the_clients_error_naming_the_field(
 
 def test_a_prompts_length_counts_every_message():
     assert PromptInput(text="abc").num_chars() == 3
-    assert PromptInput(messages=(("system", "ab"), ("user", "cde"))).num_chars() == 5
+    assert PromptInput(messages=(("system", "ab"), ("user", "cde"))).num_chars() == 5 + 2 * 16
     assert PromptInput(token_ids=(1, 2)).num_chars() == 0
+
+
+def test_a_chat_prompt_is_bounded_in_messages():
+    PromptInput(messages=(("user", ""),) * 2048)
+    with pytest.raises(InvalidRequestError, match="at most 2048 messages, got 2049") as err:
+        PromptInput(messages=(("user", ""),) * 2049)
+    assert err.value.param == "messages"
 
 
 def test_a_prompt_is_exactly_one_kind():

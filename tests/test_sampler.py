@@ -63,6 +63,14 @@ def test_top_k_one_is_greedy_even_at_high_temperature():
         assert out.token_ids == logits.argmax(dim=1).tolist()
 
 
+def test_the_largest_top_k_draws_as_if_top_k_were_off():
+    logits = _logits(2, seed=3)
+    largest = [SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=5)] * 2
+    off = [SamplingParams(temperature=1.0, seed=5)] * 2
+    drawn = sample(logits, largest, [_gen(5), _gen(6)], _default()).token_ids
+    assert drawn == sample(logits, off, [_gen(5), _gen(6)], _default()).token_ids
+
+
 def _seeded_run(
     seed: int, position: int, batch_size: int, steps: int = 40, default_seed: int = 1234
 ) -> list[int]:

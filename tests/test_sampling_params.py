@@ -23,8 +23,8 @@ from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_r
         ("top_p", -0.5, "top_p must be in (0, 1]"),
         ("top_p", 1.0001, "top_p must be in (0, 1]"),
         ("top_p", math.nan, "top_p must be in (0, 1]"),
-        ("top_k", -2, "top_k must be an integer >= 0, or -1"),
-        ("top_k", 2.5, "top_k must be an integer >= 0, or -1"),
+        ("top_k", -2, "top_k must be an integer in [-1, 2147483647]"),
+        ("top_k", 2.5, "top_k must be an integer in [-1, 2147483647]"),
         ("max_tokens", 0, "max_tokens must be an integer >= 1"),
         ("max_tokens", -3, "max_tokens must be an integer >= 1"),
         ("max_tokens", 8.0, "max_tokens must be an integer >= 1"),
@@ -201,6 +201,34 @@ def test_flags_must_be_booleans(field):
     with pytest.raises(InvalidRequestError, match=f"{field} must be true or false") as err:
         SamplingParams(**{field: "false"})
     assert err.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [
+        ("stop", ["x"] * 65, 64),
+        ("stop_token_ids", [1] * 1025, 1024),
+        ("logit_bias", {i: 1.0 for i in range(1025)}, 1024),
+    ],
+)
+def test_the_lists_checked_at_every_token_are_bounded(field, value, limit):
+    with pytest.raises(InvalidRequestError, match=f"^{field} takes at most {limit}") as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field
+    at_limit = value[:limit] if isinstance(value, list) else dict(list(value.items())[:limit])
+    SamplingParams(**{field: at_limit})
+
+
+def test_a_stop_string_is_bounded_in_length():
+    SamplingParams(stop=["x" * 1024])
+    with pytest.raises(InvalidRequestError, match="at most 1024 characters, got one of 1025"):
+        SamplingParams(stop=["x" * 1025])
+
+
+def test_a_top_k_past_int32_is_refused_not_left_to_break_a_step():
+    assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
+    with pytest.raises(InvalidRequestError, match=r"top_k must be .* in \[-1, 2147483647\]"):
+        SamplingParams(top_k=2**64)
 
 
 def test_a_token_biased_twice_is_refused():

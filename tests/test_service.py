@@ -360,6 +360,17 @@ def test_bad_http_input_is_400_naming_the_field(service):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-model", prompt="Hi")
     assert err.value.code == "model_not_found"
+    # Past the context: OpenAI's code, and the fields this client sent (chat names its
+    # prompt `messages`), which clients read to trim the conversation.
+    for words, kwargs, named in [
+        (1200, {}, "messages"),
+        (500, {"max_completion_tokens": 1000}, "max_completion_tokens"),
+    ]:
+        chat = [{"role": "user", "content": "word " * words}]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=chat, **kwargs)
+        assert err.value.code == "context_length_exceeded" and err.value.param == named
+        assert "maximum context length is 1088 tokens" in err.value.message
     # The KV cache's 68 blocks of 16 tokens (48 MiB at 46080 bytes a token), not SmolLM2's
     # 8192: what any request within it can run in.
     assert client.models.retrieve(model).max_model_len == 1088

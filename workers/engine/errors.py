@@ -8,11 +8,16 @@ class InvalidRequestError(ValueError):
     range: the client's to fix (gRPC INVALID_ARGUMENT, HTTP 400). Any other exception in
     serving a request is the service's fault, however it is typed. `param` is the field at
     fault, as the client spelled it (the OpenAI error body's `param`); None when no one
-    field is."""
+    field is. `code` is the OpenAI error body's `code` where clients act on it
+    (CONTEXT_LENGTH_EXCEEDED: they trim the conversation and retry)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class EngineOverloadedError(RuntimeError):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
-from workers.engine.errors import InvalidRequestError
+from workers.engine.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 
 MAX_LOGPROBS = 20
 # OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100].
@@ -16,6 +17,16 @@ MIN_TEMPERATURE = 1e-5
 # Above this the distribution is as flat as it gets over a model's logits, and far above
 # it (past float32's range) logits / temperature would turn banned tokens into NaN.
 MAX_TEMPERATURE = 100.0
+# A top_k past the vocabulary keeps every token; past int32 it is no count a sampler takes.
+MAX_TOP_K = 2**31 - 1
+# Bounds on the lists a request carries, each consulted at every token it generates (stop
+# strings by the router's text stream, stop ids and biases by the engine step it shares
+# with other requests): one request's lists must not slow everyone's streams. OpenAI
+# takes 4 stop strings and 300 biased tokens.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,16 @@ class SamplingParams:
         )
 
     def _validate(self) -> None:
+        for name, limit in (
+            ("stop", MAX_STOP_STRINGS),
+            ("stop_token_ids", MAX_STOP_TOKEN_IDS),
+            ("logit_bias", MAX_LOGIT_BIAS_TOKENS),
+        ):
+            if len(getattr(self, name)) > limit:
+                raise InvalidRequestError(
+                    f"{name} takes at most {limit} entries, got {len(getattr(self, name))}",
+                    param=name,
+                )
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
@@ -103,9 +124,10 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
             raise InvalidRequestError(
-                f"top_k must be an integer >= 0, or -1 (0 and -1 = off), got {self.top_k!r}",
+                f"top_k must be an integer in [-1, {MAX_TOP_K}] (0 and -1 = off), "
+                f"got {self.top_k!r}",
                 param="top_k",
             )
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
@@ -125,6 +147,12 @@ class SamplingParams:
             )
         for stop in self.stop:
             check_text(stop, "stop")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got "
+                    f"one of {len(stop)}",
+                    param="stop",
+                )
         if any(not isinstance(t, int) for t in self.stop_token_ids):
             raise InvalidRequestError(
                 f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}",
@@ -161,9 +189,9 @@ class SamplingParams:
                     f"{MAX_LOGIT_BIAS:g}], got {pair!r}",
                     param="logit_bias",
                 )
-        biased = [token for token, _ in self.logit_bias]
-        if len(set(biased)) != len(biased):  # two biases would add up past the range
-            twice = sorted({t for t in biased if biased.count(t) > 1})
+        counts = Counter(token for token, _ in self.logit_bias)
+        if len(counts) != len(self.logit_bias):  # two biases would add up past the range
+            twice = sorted(t for t, n in counts.items() if n > 1)
             raise InvalidRequestError(
                 f"logit_bias must name each token id once, got {twice[:5]} more than once",
                 param="logit_bias",
@@ -202,6 +230,7 @@ def check_request(
         check_text(cache_salt, "cache_salt")  # hashed as UTF-8 at every prefix lookup
     if not prompt_token_ids:
         raise InvalidRequestError("prompt must contain at least one token", param="prompt")
+    check_prompt_fits(len(prompt_token_ids), max_model_len)  # before the scan: it may be long
     bad = [t for t in prompt_token_ids if not (_is_int(t) and 0 <= t < vocab_size)]
     if bad:
         raise InvalidRequestError(
@@ -212,10 +241,25 @@ def check_request(
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise InvalidRequestError(
-            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-            f"{total} exceeds the context length {max_model_len}; shorten the prompt or "
-            "lower max_tokens",
+            f"this model's maximum context length is {max_model_len} tokens, and the "
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+            f"asks for {total}; lower max_tokens or shorten the prompt",
             param="max_tokens",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave the context room for at least one generated token. Checked
+    before a request's budget is: a prompt that fills the context is the prompt's fault,
+    whatever max_tokens or min_tokens say."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt is {num_prompt_tokens} tokens; this model's maximum context length "
+            f"is {max_model_len} tokens, the prompt and at least one generated token; "
+            "shorten the prompt",
+            param="prompt",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
 
 
