@@ -85,6 +85,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="every pool's weights and KV cache (default auto: float32 on CPU, bfloat16 on "
         "GPU); bfloat16 about doubles batched throughput on CPUs with AMX or AVX512-BF16",
     )
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="every pool's torch threads per replica or TP rank (default 1, for replicas "
+        "sharing a machine; a lone aggregated replica on a 2-core machine wants 2)",
+    )
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=9000)
 

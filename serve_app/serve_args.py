@@ -29,6 +29,7 @@ def app_config_from_args(args: argparse.Namespace) -> AppConfig:
             "num_replicas": getattr(args, f"{pool}_replicas"),
             "tensor_parallel_size": getattr(args, f"{pool}_tp"),
             "dtype": args.dtype,
+            "num_threads": args.threads,
         }
         overrides = {k: v for k, v in flags.items() if v is not None}
         if overrides:  # a pool key left empty in the file (`decode:`) loads as None

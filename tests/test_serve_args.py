@@ -3,6 +3,8 @@ refusals, as the command reports them, are in test_cli.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from serve_app.cli import _build_parser
 from serve_app.serve_args import app_config_from_args
 
@@ -21,3 +23,14 @@ def test_serve_flags_override_the_config_file(model_dir, tmp_path):
     assert (config.prefill.num_replicas, config.prefill.num_threads) == (3, 2)
     assert config.decode.tensor_parallel_size == 3
     assert {config.prefill.dtype, config.decode.dtype, config.aggregated.dtype} == {"bfloat16"}
+
+
+def test_threads_apply_to_every_pool_and_are_checked(model_dir):
+    args = _build_parser().parse_args(
+        ["serve", "--model", str(model_dir), "--mode", "aggregated", "--threads", "2"]
+    )
+    config = app_config_from_args(args)
+    assert config.aggregated.num_threads == 2 and config.decode.num_threads == 2
+    zero = _build_parser().parse_args(["serve", "--model", str(model_dir), "--threads", "0"])
+    with pytest.raises(ValueError, match="num_threads"):
+        app_config_from_args(zero)
