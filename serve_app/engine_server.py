@@ -201,11 +201,13 @@ class EngineServer:
     def _replace_lost_actors(self) -> None:
         """The registry and the status board are advisory actors: when one is gone (its
         node died, or it was killed), this replica starts a new one and talks to that.
-        A new registry learns this replica's blocks from its next cache events on."""
+        The new registry hears every block this replica caches with its next engine step
+        (an idle replica's, once traffic comes back)."""
         if _actor_lost(self._last_publish):
             logger.warning("the prefix registry is gone; starting a new one")
             self._last_publish = None
             self.registry = get_or_create_registry(self.registry_config)
+            self.engine.engine.resend_cached_blocks()
         if _actor_lost(self._last_post):
             logger.warning("the status board is gone; starting a new one")
             self._last_post = None

@@ -295,3 +295,20 @@ def test_events_are_batched_until_flushed():
     assert events == [(a.block_hashes + b.block_hashes, [])]
     kv.flush_events()
     assert len(events) == 1  # nothing changed, nothing sent
+
+
+def test_a_resend_reports_the_whole_cached_set_once_parents_first():
+    events = []
+    kv = KVCacheManager(num_blocks=3, block_size=4, on_events=lambda s, e: events.append((s, e)))
+    a, b = _salted(list(range(8)), "a"), _salted(list(range(20, 28)), "b")
+    _prefill(kv, a)
+    kv.free(a)
+    kv.flush_events()
+    _prefill(kv, b)  # the free block, then a's tail: a's root stays cached
+    assert kv.pool.num_cached == 3
+    kv.resend_cached()
+    kv.flush_events()
+    # Not the batch's (b stored, a's tail evicted): all that is cached, parents first.
+    assert events[-1] == ([a.block_hashes[0], *b.block_hashes], [])
+    kv.flush_events()
+    assert len(events) == 2  # once

@@ -45,10 +45,12 @@ from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.prefix_registry import PrefixRegistryConfig
+from serve_app.prompts import ModelFrontend, PromptInput
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import FinishReason
+from workers.model.loader import model_identity
 
 pytestmark = pytest.mark.slow
 
@@ -460,18 +462,40 @@ def test_status_shows_each_replicas_role_dtype_and_tp(service):
     assert "aggregated" not in text  # the other application's replica
 
 
-def test_losing_the_prefix_registry_costs_routing_hints_not_requests(disagg):
+def test_losing_the_prefix_registry_costs_routing_hints_not_requests(disagg, smollm2_dir):
     config = PrefixRegistryConfig()
-    ray.kill(ray.get_actor(config.name, namespace=config.namespace))
+    registry = ray.get_actor(config.name, namespace=config.namespace)
+    earlier = "A prompt the replicas cache before their prefix registry is lost. " * 4
+    disagg.generate_unary(_greedy(earlier, max_tokens=2))
+    frontend = ModelFrontend(smollm2_dir, model_identity(smollm2_dir), 16, 1088)
+    ids = frontend.tokenize(PromptInput(text=earlier))
+    hashes = frontend.build_request("q", ids, SamplingParams(max_tokens=1), None).block_hashes
+    _wait_until_known(registry, hashes, "the registry never heard of a cached prompt")
+    ray.kill(registry)
     prompt = "A prompt long enough to be hashed and looked up in the registry. " * 4
     assert disagg.generate_unary(_greedy(prompt, max_tokens=4)).usage.completion_tokens == 4
-    # The router started a new registry; the replicas, finding theirs gone, publish to it.
+    # The router started a new registry; the replicas, finding theirs gone, publish to it
+    # all they hold, the prompt cached before the loss among it.
     registry = ray.get_actor(config.name, namespace=config.namespace)
     deadline = time.monotonic() + 30
-    while not ray.get(registry.stats.remote())["hashes"]:
-        assert time.monotonic() < deadline, "no replica published to the new registry"
+    while not _holds(registry, hashes):
+        assert time.monotonic() < deadline, "the new registry never heard of the earlier prompt"
+        # Replicas resend their cache with an engine step: give them steps to take.
         disagg.generate_unary(_greedy(f"{prompt} Again at {time.monotonic()}.", max_tokens=2))
         time.sleep(1)
+
+
+def _holds(registry, hashes) -> bool:
+    """Whether the registry names a replica holding all these blocks (it lists every
+    replica it knows, those holding none with 0)."""
+    return len(hashes) in ray.get(registry.longest_prefixes.remote(hashes)).values()
+
+
+def _wait_until_known(registry, hashes, failure: str) -> None:
+    deadline = time.monotonic() + 30
+    while not _holds(registry, hashes):
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.2)
 
 
 def test_every_pool_gets_all_its_blocks_back(service):

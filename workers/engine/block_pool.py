@@ -53,6 +53,11 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self._by_hash)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every cached block's hash, in the order they were cached (a chain's parents
+        before its children)."""
+        return list(self._by_hash)
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks with only {len(self._free)} free")

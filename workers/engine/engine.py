@@ -333,6 +333,11 @@ class LLMEngine:
         thread; a no-op when nothing is held). Aborting an added request frees it too."""
         self.runner.release_prefetched(kv_parts)
 
+    def resend_cached_blocks(self) -> None:
+        """Any thread: the next step's `on_kv_events` reports every block the prefix cache
+        holds, for a listener that lost what it was told (a replaced prefix registry)."""
+        self.kv.resend_cached()
+
     def live_kv_exports(self) -> tuple[int, int]:
         """Prefill side, callable from any thread: (objects, bytes) of exported KV that an
         importer still references, kept outside the KV block budget until it lets go."""

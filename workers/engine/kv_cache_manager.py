@@ -37,6 +37,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id
         self.on_events = on_events
+        self._resend_all = False  # see resend_cached
 
     @property
     def num_blocks(self) -> int:
@@ -145,9 +146,18 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_committed_blocks = 0
 
+    def resend_cached(self) -> None:
+        """Makes the next flush hand `on_events` every cached block as stored, and nothing
+        evicted: the whole state, for a listener that lost what it was told (a prefix
+        registry that replaced a lost one). Callable from any thread: it only sets a flag."""
+        self._resend_all = True
+
     def flush_events(self) -> None:
         """Hands the changes to the cached set since the last flush to `on_events`."""
         stored, evicted = self.pool.take_events()
+        if self._resend_all:
+            self._resend_all = False
+            stored, evicted = self.pool.cached_hashes(), []
         if self.on_events is not None and (stored or evicted):
             try:
                 self.on_events(stored, evicted)
