@@ -2,9 +2,11 @@
 
 Decode drives it because it is the side that knows which blocks it already holds, so
 only the rest ever travels: it asks the prefill pool for the first token and the blocks
-past its cached prefix, imports them and decodes. If the handoff fails (the prefill call
-fails, the pull fails, or this replica evicted the prefix it reported on every try),
-it computes the prompt itself, counted as a recompute and logged with its cause. It
+past its cached prefix, imports them and decodes. A direct-transport pull that fails is
+asked for once more through the object store (and a run of them pauses direct pulls:
+transport_fallback.py). If the handoff fails (the prefill call fails, the pull fails,
+or this replica evicted the prefix it reported on every try), it computes the prompt
+itself, counted as a recompute and logged with its cause. It
 also prefills a prompt itself by choice (selective disaggregation, `AppConfig`): when
 little of it is uncached, or when it already waits on enough prefills that the pool
 would queue this one.
@@ -30,6 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.errors import root_cause
 from serve_app.metrics import ReplicaMetrics
 from serve_app.protocol import EngineRequest, PrefillResult
+from serve_app.transport_fallback import OBJECT_STORE, TransportFallback
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.errors import InvalidRequestError
 from workers.engine.kv_transfer import StalePrefixError
@@ -64,6 +67,10 @@ class HandoffStats:
     local_prefill_tokens: int = 0
     # Prompt tokens this replica computed itself because the prefill pool failed it.
     num_recomputed_tokens: int = 0
+    # Handoffs asked for again through the object store after their direct pull failed,
+    # and the times direct pulls were paused after failing in a row (transport_fallback).
+    num_transfer_retries: int = 0
+    num_direct_pauses: int = 0
     # Why the last such handoff failed ("" if none did): for `baton status` and tests.
     last_failure: str = ""
 
@@ -92,6 +99,7 @@ class DecodeHandoff:
         self.max_pending_prefills = max_pending_prefills
         self.tp = engine.engine.config.tensor_parallel_size
         self.stats = HandoffStats()
+        self.fallback = TransportFallback()
         self.num_pending_prefills = 0  # calls to the prefill pool in flight
         # As many blocks of the prefill pool's exports as this replica's KV cache holds.
         self.budget = PullBudget(engine.engine.kv.num_blocks * block_bytes)
@@ -143,9 +151,10 @@ class DecodeHandoff:
     ) -> AsyncIterator[RequestOutput]:
         """Prefill on the pool, import the blocks decode lacks, decode; recompute here if
         that fails. `reserved` is let go once the KV is in blocks, or is not coming."""
+        transport = self.fallback.transport()
         for _ in range(_MAX_STALE_RETRIES + 1):
             sent = time.perf_counter()
-            response = self.prefill_pool.prefill.remote(request, have, self.tp)
+            response = self.prefill_pool.prefill.remote(request, have, self.tp, transport)
             try:
                 result: PrefillResult = await self._pending(response)
             except asyncio.CancelledError:
@@ -185,11 +194,22 @@ class DecodeHandoff:
                     # The next export starts earlier: it is that much larger.
                     await reserved.resize(self._handoff_bytes(len(prompt), have))
                     continue
-                except KVTransferError as e:  # the prefill replica died since it answered
+                except KVTransferError as e:
+                    # The prefill replica died since it answered, or this transport
+                    # cannot reach it: once more through the object store (a prefix
+                    # cache hit on a live prefill replica), then the prompt is
+                    # recomputed here.
+                    self._direct_pull_failed(e)
+                    if transport is None:
+                        transport = OBJECT_STORE
+                        self.stats.num_transfer_retries += 1
+                        continue
                     reserved.release()
                     async for out in self._recompute(request, e, have):
                         yield out
                     return
+                if any(isinstance(p, KVRef) for p in result.kv_parts):
+                    self.fallback.direct_pull_succeeded()
                 reserved.release()  # the first output comes after the import
                 self._count_handoff(
                     result, received - sent, self.engine.stats().kv_import_s - imported_s
@@ -211,6 +231,11 @@ class DecodeHandoff:
         reserved.release()
         async for out in self._recompute(request, stale, have):
             yield out
+
+    def _direct_pull_failed(self, error: KVTransferError) -> None:
+        paused = self.fallback.num_pauses
+        self.fallback.direct_pull_failed(error)
+        self.stats.num_direct_pauses += self.fallback.num_pauses - paused
 
     def _handoff_bytes(self, num_tokens: int, have: int) -> int:
         """What prefill will export for a prompt of which this replica holds `have` blocks."""

@@ -134,12 +134,16 @@ class EngineServer:
             yield item
 
     async def prefill(
-        self, request: EngineRequest, skip_blocks: int, dst_tp: int | None = None
+        self,
+        request: EngineRequest,
+        skip_blocks: int,
+        dst_tp: int | None = None,
+        transport: str | None = None,
     ) -> PrefillResult:
         """Prefills the prompt and returns the first token with the blocks from
         `skip_blocks` on, cut for a decode replica of TP degree `dst_tp` (each of its
-        ranks then fetches only its KV heads); the blocks are released here once copied
-        out."""
+        ranks then fetches only its KV heads), exported by `transport` (None: the
+        pool's); the blocks are released here once copied out."""
         if self.role != "prefill":
             raise ValueError(f"a {self.role} replica does not run prefill()")
         rid = request.request_id
@@ -159,7 +163,10 @@ class EngineServer:
             # One engine command, so the blocks are released even if this task is
             # cancelled while it waits for the copy.
             handle, parts = await self.engine.call(
-                lambda e: (e.export_kv(rid, skip_blocks, dst_tp), e.release_handoff(rid))[0]
+                lambda e: (
+                    e.export_kv(rid, skip_blocks, dst_tp, transport),
+                    e.release_handoff(rid),
+                )[0]
             )
             released = True
         finally:

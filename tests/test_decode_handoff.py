@@ -17,6 +17,7 @@ from serve_app.protocol import EngineRequest, PrefillResult
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import hash_full_blocks, root_hash
 from workers.engine.kv_transfer import StalePrefixError
+from workers.engine.kv_transport import KVTransferError
 from workers.engine.outputs import RequestOutput
 
 PROMPT = list(range(5, 45))  # 2 full blocks of 16 and a partial one
@@ -29,7 +30,7 @@ class _PrefillPool:
         self.prefill = SimpleNamespace(remote=self._call)
         self._answer = answer
 
-    def _call(self, request, have, tp):
+    def _call(self, request, have, tp, transport):
         self.calls += 1
         response = asyncio.get_running_loop().create_future()
         self._answer(response)
@@ -213,9 +214,29 @@ class _LivePrefillPool:
         self.replica = _PrefillReplica.__new__(_PrefillReplica)
         self.replica.role, self.replica.engine = "prefill", engine
         self.prefill = SimpleNamespace(remote=self._call)
+        self.transports: list[str | None] = []  # asked for, call by call
 
-    def _call(self, request, have, tp):
-        return asyncio.ensure_future(self.replica.prefill(request, have, tp))
+    def _call(self, request, have, tp, transport):
+        self.transports.append(transport)
+        return asyncio.ensure_future(self.replica.prefill(request, have, tp, transport))
+
+
+class _FailsPulls(AsyncEngine):
+    """Fails the pulls of the next `fail` handoffs, as a decode replica that NIXL cannot
+    connect to its prefill replica does."""
+
+    fail = 0
+
+    def generate_prefilled(self, *args, **kw):
+        if not self.fail:
+            return super().generate_prefilled(*args, **kw)
+        self.fail -= 1
+
+        async def failed():
+            raise KVTransferError("NIXL_ERR_REMOTE_DISCONNECT")
+            yield
+
+        return failed()
 
 
 def test_a_handoff_decodes_as_one_engine_would_and_frees_its_budget_at_the_import(model_dir):
@@ -265,5 +286,35 @@ def test_a_request_that_waited_for_room_is_prefilled_here_if_the_pool_got_busy(m
             assert budget.used == 0
         finally:
             await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_failed_pull_is_asked_again_through_the_object_store_and_a_run_pauses_direct(
+    model_dir,
+):
+    async def main():
+        prefill = AsyncEngine(_engine(model_dir))
+        decode = _FailsPulls(_engine(model_dir, enable_prefix_caching=False))
+        try:
+            want = [t for o in await _collect(prefill, "alone", PROMPT) for t in o.new_token_ids]
+            pool = _LivePrefillPool(prefill)
+            handoff = _handoff(decode, pool)
+            for _ in range(3):  # the third failed pull in a row pauses direct pulls
+                decode.fail = 1
+                assert await _tokens(handoff.generate(_request(decode, PROMPT))) == want
+            assert pool.transports == [None, "object_store"] * 3
+            stats = handoff.stats
+            assert (stats.num_transfer_retries, stats.num_direct_pauses) == (3, 1)
+            assert stats.num_handoffs == 3 and stats.num_recomputed_tokens == 0
+            assert await _tokens(handoff.generate(_request(decode, PROMPT))) == want
+            assert pool.transports[-1] == "object_store"  # asked at once while paused
+            # A pull that fails through the object store is recomputed here.
+            decode.fail = 1
+            assert await _tokens(handoff.generate(_request(decode, PROMPT))) == want
+            assert stats.num_recomputed_tokens == len(PROMPT)
+        finally:
+            for engine in (prefill, decode):
+                await engine.shutdown()
 
     asyncio.run(main())

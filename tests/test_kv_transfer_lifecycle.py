@@ -21,7 +21,7 @@ from kv_transfer_helpers import (
 from tiny_model import make_tiny_model
 
 from workers.engine import engine as engine_module
-from workers.engine.kv_transfer import StalePrefixError
+from workers.engine.kv_transfer import KVBlocks, StalePrefixError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
@@ -87,6 +87,15 @@ def test_export_refuses_a_bad_skip(model_dir, skip):
     _prefill(prefill, "r", _tokens(2 * BLOCK + 3, seed=52))
     with pytest.raises(ValueError, match="skip_blocks"):
         prefill.export_kv("r", skip_blocks=skip)
+
+
+def test_an_export_may_name_its_transport_and_a_bad_one_is_refused(model_dir):
+    prefill = _engine(model_dir)
+    _prefill(prefill, "r", _tokens(2 * BLOCK + 3, seed=53))
+    with pytest.raises(ValueError, match="kv_transport must be one of"):
+        prefill.export_kv("r", transport="carrier-pigeon")
+    _, parts = prefill.export_kv("r", transport="object_store")
+    assert [type(p) for p in parts] == [KVBlocks]
 
 
 def test_an_import_waits_for_free_blocks(model_dir):

@@ -280,13 +280,17 @@ class LLMEngine:
     # -- KV handoff (the protocol: handoff.py) --------------------------------
 
     def export_kv(
-        self, request_id: str, skip_blocks: int = 0, dst_tp: int | None = None
+        self,
+        request_id: str,
+        skip_blocks: int = 0,
+        dst_tp: int | None = None,
+        transport: str | None = None,
     ) -> tuple[KVHandle, list[KVPart]]:
         """Prefill side: a held handoff's handle and its blocks from `skip_blocks` on, one
         part per TP rank in rank order (KVBlocks, or KVRef under a direct transport, cut
-        so that each rank of an importer of TP degree `dst_tp` fetches only its heads);
-        callable again until released."""
-        return self.handoffs.export(request_id, skip_blocks, dst_tp)
+        so that each rank of an importer of TP degree `dst_tp` fetches only its heads),
+        by `transport` if given, else the engine's; callable again until released."""
+        return self.handoffs.export(request_id, skip_blocks, dst_tp, transport)
 
     def release_handoff(self, request_id: str) -> bool:
         """Prefill side: frees a handoff's blocks once decode has them; False if unknown."""

@@ -38,7 +38,7 @@ import torch
 
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.kv_transfer import KVBlocks, KVHandle, KVLayout, StalePrefixError
-from workers.engine.kv_transport import KVPart, KVRef
+from workers.engine.kv_transport import KVPart, KVRef, check_transport
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 
@@ -127,8 +127,15 @@ class HeldHandoffs:
         return handle
 
     def export(
-        self, request_id: str, skip_blocks: int, dst_tp: int | None = None
+        self,
+        request_id: str,
+        skip_blocks: int,
+        dst_tp: int | None = None,
+        transport: str | None = None,
     ) -> tuple[KVHandle, list[KVPart]]:
+        """`transport` overrides this engine's for one export (None keeps it)."""
+        if transport is not None:
+            check_transport(transport)
         held = self._held.get(request_id)
         if held is None:
             raise ValueError(
@@ -143,7 +150,9 @@ class HeldHandoffs:
             )
         block_ids = held.seq.block_table[skip_blocks : held.handle.num_blocks]
         start = time.perf_counter()
-        parts = self.runner.export_blocks(block_ids, skip_blocks, self.transport, dst_tp)
+        parts = self.runner.export_blocks(
+            block_ids, skip_blocks, transport or self.transport, dst_tp
+        )
         self.export_s += time.perf_counter() - start
         self.num_blocks_exported += len(block_ids)
         return held.handle, parts
