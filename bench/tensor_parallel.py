@@ -8,9 +8,11 @@ rank's share and sends it with the call.
 tp=1 is the in-process runner with --threads torch threads (a lone engine);
 tp=3 is a Ray worker group with one thread per rank. On a 2-core machine three
 ranks oversubscribe the cores, so tp=3 is expected to be slower here; the
-figures show what the per-step communication costs, to judge the GPU plan.
+figures show what the per-step communication costs, to judge the GPU plan. The two
+are measured in turn, round by round (medians over --rounds), so that the machine's
+drift during a run falls on both.
 
-    .venv/bin/python bench/tensor_parallel.py [--steps 30] [--batch 1]
+    .venv/bin/python bench/tensor_parallel.py [--steps 30] [--batch 1] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -90,24 +92,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=min(2, cpu_count()))
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     model_dir = ensure_default_model()
     cfg = ModelConfig.from_pretrained(model_dir)
     num_blocks = max(64, args.batch * ((PROMPT_LEN + args.steps) // BLOCK + 3))
     spec = RunnerSpec(str(model_dir), num_blocks, BLOCK, 2048, torch.float32, "cpu")
-    context = {"model": model_dir.name, "batch": args.batch, "git_commit": git_commit()}
+    context = {
+        "model": model_dir.name,
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "git_commit": git_commit(),
+    }
 
     torch.set_num_threads(args.threads)
     single = ModelRunner(spec.model_dir, spec.num_blocks, BLOCK, spec.max_model_len)
-    log("tp=1 in process")
-    tp1_decode, tp1_prefill = decode_step_s(single, args.batch, args.steps), prefill_s(single)
-
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ray.init(num_cpus=3, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
     try:
-        log("tp=3 worker group")
         group = TPWorkerGroup(3, spec)
-        tp3_decode, tp3_prefill = decode_step_s(group, args.batch, args.steps), prefill_s(group)
+        times: dict[str, list[float]] = {}
+        for r in range(args.rounds):
+            for name, runner in (("tp1", single), ("tp3", group)):
+                log(f"round {r + 1}/{args.rounds}: {name}")
+                decode = decode_step_s(runner, args.batch, args.steps)
+                times.setdefault(f"{name}.decode", []).append(decode)
+                times.setdefault(f"{name}.prefill", []).append(prefill_s(runner))
+        tp1_decode, tp1_prefill = median(times["tp1.decode"]), median(times["tp1.prefill"])
+        tp3_decode, tp3_prefill = median(times["tp3.decode"]), median(times["tp3.prefill"])
         # Per decode step: two all-reduces per layer (attention and MLP outputs) and
         # one for the vocab-parallel embedding, each over [batch, hidden].
         per_call = group.time_all_reduce(args.batch * cfg.hidden_size, iters=200)
