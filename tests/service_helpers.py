@@ -90,3 +90,26 @@ def _scrape(port: int) -> dict[str, list[tuple[str, float]]]:
         if m and not line.startswith("#"):
             samples.setdefault(m.group(1), []).append((m.group(2) or "", float(m.group(3))))
     return samples
+
+
+def _holds(registry, hashes) -> bool:
+    """Whether the registry names a replica holding all these blocks (it lists every
+    replica it knows, those holding none with 0)."""
+    return len(hashes) in ray.get(registry.longest_prefixes.remote(hashes)).values()
+
+
+def _wait_until_known(registry, hashes, failure: str) -> None:
+    deadline = time.monotonic() + 30
+    while not _holds(registry, hashes):
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.2)
+
+
+def test_every_pool_gets_all_its_blocks_back(service):
+    snaps = _wait_all_blocks_free()
+    assert {s["role"] for s in snaps} == {"prefill", "decode", "aggregated"}
+    assert {s["dtype"] for s in snaps} == {"float32"}  # auto, on CPU
+    assert {(s["role"], s["tensor_parallel_size"]) for s in snaps if s["app"] == "disagg"} == {
+        ("prefill", 3),
+        ("decode", 1),
+    }

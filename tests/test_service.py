@@ -34,10 +34,12 @@ from service_helpers import (
     PROMPTS,
     _decode_stats,
     _greedy,
+    _holds,
     _scrape,
     _snapshots,
     _wait_all_blocks_free,
     _wait_prefill_exports_freed,
+    _wait_until_known,
 )
 
 from serve_app import service_ops
@@ -483,26 +485,3 @@ def test_losing_the_prefix_registry_costs_routing_hints_not_requests(disagg, smo
         # Replicas resend their cache with an engine step: give them steps to take.
         disagg.generate_unary(_greedy(f"{prompt} Again at {time.monotonic()}.", max_tokens=2))
         time.sleep(1)
-
-
-def _holds(registry, hashes) -> bool:
-    """Whether the registry names a replica holding all these blocks (it lists every
-    replica it knows, those holding none with 0)."""
-    return len(hashes) in ray.get(registry.longest_prefixes.remote(hashes)).values()
-
-
-def _wait_until_known(registry, hashes, failure: str) -> None:
-    deadline = time.monotonic() + 30
-    while not _holds(registry, hashes):
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.2)
-
-
-def test_every_pool_gets_all_its_blocks_back(service):
-    snaps = _wait_all_blocks_free()
-    assert {s["role"] for s in snaps} == {"prefill", "decode", "aggregated"}
-    assert {s["dtype"] for s in snaps} == {"float32"}  # auto, on CPU
-    assert {(s["role"], s["tensor_parallel_size"]) for s in snaps if s["app"] == "disagg"} == {
-        ("prefill", 3),
-        ("decode", 1),
-    }
