@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=min(2, cpu_count()))
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     model_dir = ensure_default_model()
     cfg = ModelConfig.from_pretrained(model_dir)
     num_blocks = max(64, args.batch * ((PROMPT_LEN + args.steps) // BLOCK + 3))

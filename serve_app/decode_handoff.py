@@ -152,7 +152,8 @@ class DecodeHandoff:
         """Prefill on the pool, import the blocks decode lacks, decode; recompute here if
         that fails. `reserved` is let go once the KV is in blocks, or is not coming."""
         transport = self.fallback.transport()
-        for _ in range(_MAX_STALE_RETRIES + 1):
+        stale_tries = 0
+        while stale_tries <= _MAX_STALE_RETRIES:
             sent = time.perf_counter()
             response = self.prefill_pool.prefill.remote(request, have, self.tp, transport)
             try:
@@ -177,6 +178,7 @@ class DecodeHandoff:
                 yield result.output
                 return
             imported_s = self.engine.stats().kv_import_s
+            pull_started = self.fallback.now()
             stream = self.engine.generate_prefilled(
                 request.request_id,
                 prompt,
@@ -189,6 +191,7 @@ class DecodeHandoff:
                 try:
                     first = await anext(stream)
                 except StalePrefixError as e:
+                    stale_tries += 1
                     self.stats.num_stale_retries += 1
                     have = e.num_cached_blocks
                     # The next export starts earlier: it is that much larger.
@@ -199,7 +202,7 @@ class DecodeHandoff:
                     # cannot reach it: once more through the object store (a prefix
                     # cache hit on a live prefill replica), then the prompt is
                     # recomputed here.
-                    self._direct_pull_failed(e)
+                    self._direct_pull_failed(e, pull_started)
                     if transport is None:
                         transport = OBJECT_STORE
                         self.stats.num_transfer_retries += 1
@@ -232,9 +235,9 @@ class DecodeHandoff:
         async for out in self._recompute(request, stale, have):
             yield out
 
-    def _direct_pull_failed(self, error: KVTransferError) -> None:
+    def _direct_pull_failed(self, error: KVTransferError, started_at: float) -> None:
         paused = self.fallback.num_pauses
-        self.fallback.direct_pull_failed(error)
+        self.fallback.direct_pull_failed(error, started_at)
         self.stats.num_direct_pauses += self.fallback.num_pauses - paused
 
     def _handoff_bytes(self, num_tokens: int, have: int) -> int:

@@ -14,7 +14,12 @@ from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.prompts import ModelFrontend, PromptInput
 from workers.engine.errors import InvalidRequestError
 from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from workers.engine.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    TokenLogprob,
+    check_min_tokens_fit,
+)
 from workers.engine.sequence import FinishReason
 
 FINISH_REASONS = {
@@ -49,12 +54,16 @@ def params_from_proto(request: pb.GenerateRequest, room: int) -> SamplingParams:
     def opt(name: str, default):
         return getattr(request, name) if request.HasField(name) else default
 
-    return SamplingParams(
+    max_tokens = request.max_tokens
+    if not request.HasField("max_tokens"):
         # At least 1: a prompt that leaves no room is refused by the check against the
-        # model, which blames the prompt, not a max_tokens the client never sent.
-        max_tokens=opt(
-            "max_tokens", max(1, min(max(DEFAULT_MAX_TOKENS, request.min_tokens), room))
-        ),
+        # model, which blames the prompt, not a max_tokens the client never sent; so is
+        # a min_tokens past the room, here.
+        room = max(room, 1)
+        check_min_tokens_fit(request.min_tokens, room)
+        max_tokens = min(max(DEFAULT_MAX_TOKENS, request.min_tokens), room)
+    return SamplingParams(
+        max_tokens=max_tokens,
         temperature=opt("temperature", 1.0),
         top_p=opt("top_p", 1.0),
         top_k=request.top_k,

@@ -25,6 +25,7 @@ from workers.engine.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
+    check_min_tokens_fit,
 )
 
 # An HTTP body over this is refused before it is parsed (gRPC's own limit is 4 MiB).
@@ -238,7 +239,7 @@ class CompletionRequest(_Request):
         max_tokens = self.max_tokens
         if max_tokens is None:
             default = max(DEFAULT_COMPLETION_MAX_TOKENS, self.min_tokens)
-            max_tokens = min(default, _room_left(room))
+            max_tokens = min(default, _room_left(room, self.min_tokens))
         return self._params(max_tokens, self.logprobs)
 
 
@@ -280,6 +281,7 @@ class ChatCompletionRequest(_Request):
             error.param = "messages"
         elif error.param == "max_tokens" and self.max_completion_tokens is not None:
             error.param = "max_completion_tokens"
+            error.args = (str(error).replace("max_tokens", error.param),)
         return error
 
     def sampling_params(self, room: int) -> SamplingParams:
@@ -289,7 +291,7 @@ class ChatCompletionRequest(_Request):
         if max_tokens is None:
             max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = _room_left(room)
+            max_tokens = _room_left(room, self.min_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs)
 
@@ -302,11 +304,14 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
 
 
-def _room_left(room: int) -> int:
+def _room_left(room: int, min_tokens: int) -> int:
     """The default budget of a request that sent none: the context's room after the prompt.
     At least 1: a prompt that leaves no room is then refused by the check against the
-    model, which blames the prompt (with its length), not a budget the client never sent."""
-    return max(room, 1)
+    model, which blames the prompt (with its length), not a budget the client never sent;
+    a min_tokens past the room is refused here, for the same reason."""
+    room = max(room, 1)
+    check_min_tokens_fit(min_tokens, room)
+    return room
 
 
 _FIELDS = {

@@ -111,9 +111,11 @@ class ResponseBuilder:
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
             # The sampled token is always among them, as in OpenAI's and vLLM's (so up to
-            # logprobs + 1 entries when it was not among the most likely).
+            # logprobs + 1 entries when it was not among the most likely). Keys are text,
+            # which distinct tokens can share (partial UTF-8 all reads "\ufffd"): the
+            # sampled token's own logprob wins, as token_logprobs gives it.
             "top_logprobs": [
-                {tokens[i]: lp.logprob} | {self.decode_token(t): v for t, v in lp.top}
+                {self.decode_token(t): v for t, v in lp.top} | {tokens[i]: lp.logprob}
                 for i, lp in enumerate(lps)
             ],
             "text_offset": offsets,

@@ -19,7 +19,11 @@ OBJECT_STORE = "object_store"
 
 
 class TransportFallback:
-    """Consecutive failed direct pulls -> object-store exports for `pause_s`."""
+    """Consecutive failed direct pulls -> object-store exports for `pause_s`.
+
+    Failures count once per burst: a pull that started before the last counted failure
+    shares its cause (a prefill replica that died fails every pull from it at once), so
+    only pulls that fail one after another, each started after the last failed, add up."""
 
     def __init__(
         self,
@@ -33,6 +37,7 @@ class TransportFallback:
             raise ValueError(f"pause_s must be > 0, got {pause_s!r}")
         self.failures_to_pause, self.pause_s, self._clock = failures_to_pause, pause_s, clock
         self._failures = 0  # direct pulls failed in a row
+        self._last_failure_at = float("-inf")
         self._paused_until = 0.0
         self.num_pauses = 0
 
@@ -41,7 +46,11 @@ class TransportFallback:
         pulls are paused."""
         return OBJECT_STORE if self._clock() < self._paused_until else None
 
-    def direct_pull_failed(self, cause: BaseException) -> None:
+    def direct_pull_failed(self, cause: BaseException, started_at: float) -> None:
+        """A direct pull that began at `started_at` (this object's clock) failed."""
+        if started_at < self._last_failure_at:
+            return  # the same burst as a failure already counted
+        self._last_failure_at = self._clock()
         self._failures += 1
         if self._failures < self.failures_to_pause:
             return
@@ -59,3 +68,6 @@ class TransportFallback:
 
     def direct_pull_succeeded(self) -> None:
         self._failures = 0
+
+    def now(self) -> float:
+        return self._clock()

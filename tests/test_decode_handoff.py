@@ -223,7 +223,8 @@ class _LivePrefillPool:
 
 class _FailsPulls(AsyncEngine):
     """Fails the pulls of the next `fail` handoffs, as a decode replica that NIXL cannot
-    connect to its prefill replica does."""
+    connect to its prefill replica does (the live pool's exports are object-store ones,
+    which never fail a pull; the failure stands for a direct pull's)."""
 
     fail = 0
 
@@ -309,12 +310,48 @@ def test_a_failed_pull_is_asked_again_through_the_object_store_and_a_run_pauses_
             assert stats.num_handoffs == 3 and stats.num_recomputed_tokens == 0
             assert await _tokens(handoff.generate(_request(decode, PROMPT))) == want
             assert pool.transports[-1] == "object_store"  # asked at once while paused
-            # A pull that fails through the object store is recomputed here.
-            decode.fail = 1
-            assert await _tokens(handoff.generate(_request(decode, PROMPT))) == want
-            assert stats.num_recomputed_tokens == len(PROMPT)
         finally:
             for engine in (prefill, decode):
                 await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_failed_pull_retried_after_stale_prefixes_is_still_retried_not_recomputed(model_dir):
+    async def main():
+        prefill = AsyncEngine(_engine(model_dir))
+        decode = _StaleThenFailed(_engine(model_dir))
+        try:
+            want = [t for o in await _collect(prefill, "alone", PROMPT) for t in o.new_token_ids]
+            pool = _LivePrefillPool(prefill)
+            handoff = _handoff(decode, pool)
+            assert await _tokens(handoff.generate(_request(decode, PROMPT))) == want
+            # Three stale tries, then a failed pull asked again through the object store:
+            # its own retry, not one of the stale ones.
+            assert pool.transports == [None] * 4 + ["object_store"]
+            assert handoff.stats.num_recomputed_tokens == 0
+        finally:
+            for engine in (prefill, decode):
+                await engine.shutdown()
+
+    asyncio.run(main())
+
+
+class _StaleThenFailed(AsyncEngine):
+    """The first three imports find the prefix gone, the fourth pull fails."""
+
+    calls = 0
+
+    def generate_prefilled(self, *args, **kw):
+        self.calls += 1
+        if self.calls > 4:
+            return super().generate_prefilled(*args, **kw)
+        calls = self.calls
+
+        async def failed():
+            if calls <= 3:
+                raise StalePrefixError("the prefix went", 0)
+            raise KVTransferError("NIXL_ERR_REMOTE_DISCONNECT")
+            yield
+
+        return failed()

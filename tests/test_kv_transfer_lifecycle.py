@@ -90,7 +90,9 @@ def test_export_refuses_a_bad_skip(model_dir, skip):
 
 
 def test_an_export_may_name_its_transport_and_a_bad_one_is_refused(model_dir):
-    prefill = _engine(model_dir)
+    # A nixl engine, whose own exports would be KVRefs (which need Ray): the override
+    # alone makes this one an object-store copy.
+    prefill = _engine(model_dir, kv_transport="nixl")
     _prefill(prefill, "r", _tokens(2 * BLOCK + 3, seed=53))
     with pytest.raises(ValueError, match="kv_transport must be one of"):
         prefill.export_kv("r", transport="carrier-pigeon")

@@ -358,13 +358,21 @@ def test_context_errors_name_the_fields_the_client_sent():
     chat = parse(ChatCompletionRequest, _chat(max_completion_tokens=9))
     prompt_error = InvalidRequestError("too long", param="prompt")
     assert chat.as_sent(prompt_error).param == "messages"
-    assert chat.as_sent(InvalidRequestError("x", param="max_tokens")).param == (
-        "max_completion_tokens"
-    )
+    budget = chat.as_sent(InvalidRequestError("lower max_tokens", param="max_tokens"))
+    assert (budget.param, str(budget)) == ("max_completion_tokens", "lower max_completion_tokens")
     legacy = parse(ChatCompletionRequest, _chat(max_tokens=9))
     assert legacy.as_sent(InvalidRequestError("x", param="max_tokens")).param == "max_tokens"
     completion = parse(CompletionRequest, _completion())
     assert completion.as_sent(InvalidRequestError("x", param="prompt")).param == "prompt"
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_a_min_tokens_past_the_room_is_the_contexts_limit_not_an_unsent_max_tokens(model):
+    body = _chat(min_tokens=300) if model is ChatCompletionRequest else _completion(min_tokens=300)
+    with pytest.raises(InvalidRequestError, match=r"min_tokens \(300\) is more than the 40") as e:
+        parse(model, body).sampling_params(room=40)
+    assert (e.value.param, e.value.code) == ("min_tokens", "context_length_exceeded")
+    assert parse(model, body).sampling_params(room=300).min_tokens == 300
 
 
 def test_an_error_body_carries_the_field_as_its_param():

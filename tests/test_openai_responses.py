@@ -50,9 +50,12 @@ def test_completion_top_logprobs_always_hold_the_sampled_token():
     outs = [RequestOutput("r", [7, 3], "ab", lps, True, FinishReason.LENGTH, 4, 2, 0)]
     body = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes).complete([outs])
     assert body["choices"][0]["logprobs"]["top_logprobs"] == [
-        {"<7>": -1.5, "<3>": -0.5},
+        {"<3>": -0.5, "<7>": -1.5},
         {"<3>": -0.5},
     ]
+    # Two tokens of one text (partial UTF-8): the sampled one's logprob is the one shown.
+    same_text = ResponseBuilder(False, "r", "m", lambda t: "\ufffd", bytes).complete([outs])
+    assert same_text["choices"][0]["logprobs"]["top_logprobs"][0] == {"\ufffd": -1.5}
 
 
 def test_n_choices_each_have_their_index_and_count_the_prompt_once():

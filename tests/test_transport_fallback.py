@@ -17,13 +17,20 @@ class _Clock:
         return self.now
 
 
+def _fail(fallback: TransportFallback, clock: _Clock) -> None:
+    """A pull that starts now and fails a moment later."""
+    started = clock.now
+    clock.now += 0.01
+    fallback.direct_pull_failed(FAILED, started)
+
+
 def test_a_run_of_failures_pauses_direct_pulls_for_a_while():
     clock = _Clock()
     fallback = TransportFallback(failures_to_pause=3, pause_s=60.0, clock=clock)
     for _ in range(2):
-        fallback.direct_pull_failed(FAILED)
+        _fail(fallback, clock)
         assert fallback.transport() is None
-    fallback.direct_pull_failed(FAILED)
+    _fail(fallback, clock)
     assert fallback.transport() == "object_store" and fallback.num_pauses == 1
     clock.now += 59.9
     assert fallback.transport() == "object_store"
@@ -32,12 +39,27 @@ def test_a_run_of_failures_pauses_direct_pulls_for_a_while():
 
 
 def test_a_success_between_failures_breaks_the_run():
-    fallback = TransportFallback(failures_to_pause=2, clock=_Clock())
-    fallback.direct_pull_failed(FAILED)
+    clock = _Clock()
+    fallback = TransportFallback(failures_to_pause=2, clock=clock)
+    _fail(fallback, clock)
     fallback.direct_pull_succeeded()
-    fallback.direct_pull_failed(FAILED)
+    _fail(fallback, clock)
     assert fallback.transport() is None and fallback.num_pauses == 0
-    fallback.direct_pull_failed(FAILED)
+    _fail(fallback, clock)
+    assert fallback.transport() == "object_store"
+
+
+def test_pulls_that_fail_together_count_once():
+    # A prefill replica that dies fails every pull in flight from it at once: one cause.
+    clock = _Clock()
+    fallback = TransportFallback(failures_to_pause=3, clock=clock)
+    started = clock.now
+    clock.now += 0.5
+    for _ in range(5):
+        fallback.direct_pull_failed(FAILED, started)
+    assert fallback.transport() is None and fallback.num_pauses == 0
+    _fail(fallback, clock)
+    _fail(fallback, clock)  # the third failure in a row, each pull begun after the last
     assert fallback.transport() == "object_store"
 
 

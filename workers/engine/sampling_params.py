@@ -263,6 +263,19 @@ def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
         )
 
 
+def check_min_tokens_fit(min_tokens: object, room: int) -> None:
+    """For a request whose max_tokens defaults to the context's `room` after its prompt:
+    a min_tokens past that room is refused as the context's limit (OpenAI's code), not
+    as a breach of a max_tokens the client never sent."""
+    if _is_int(min_tokens) and min_tokens > room:
+        raise InvalidRequestError(
+            f"min_tokens ({min_tokens}) is more than the {room} tokens this model's maximum "
+            "context length leaves after the prompt; lower min_tokens or shorten the prompt",
+            param="min_tokens",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+
+
 def check_text(text: str, field: str) -> str:
     """`text`, if it is valid Unicode: JSON can spell a lone UTF-16 surrogate ("\\ud800"),
     which no tokenizer, hash or stop-string match takes."""
