@@ -202,7 +202,8 @@ class DecodeHandoff:
                     # cannot reach it: once more through the object store (a prefix
                     # cache hit on a live prefill replica), then the prompt is
                     # recomputed here.
-                    self._direct_pull_failed(e, pull_started)
+                    self.fallback.direct_pull_failed(e, pull_started)
+                    self.stats.num_direct_pauses = self.fallback.num_pauses
                     if transport is None:
                         transport = OBJECT_STORE
                         self.stats.num_transfer_retries += 1
@@ -234,11 +235,6 @@ class DecodeHandoff:
         reserved.release()
         async for out in self._recompute(request, stale, have):
             yield out
-
-    def _direct_pull_failed(self, error: KVTransferError, started_at: float) -> None:
-        paused = self.fallback.num_pauses
-        self.fallback.direct_pull_failed(error, started_at)
-        self.stats.num_direct_pauses += self.fallback.num_pauses - paused
 
     def _handoff_bytes(self, num_tokens: int, have: int) -> int:
         """What prefill will export for a prompt of which this replica holds `have` blocks."""

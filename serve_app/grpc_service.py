@@ -18,7 +18,7 @@ from workers.engine.sampling_params import (
     MAX_LOGPROBS,
     SamplingParams,
     TokenLogprob,
-    check_min_tokens_fit,
+    default_budget_room,
 )
 from workers.engine.sequence import FinishReason
 
@@ -56,11 +56,7 @@ def params_from_proto(request: pb.GenerateRequest, room: int) -> SamplingParams:
 
     max_tokens = request.max_tokens
     if not request.HasField("max_tokens"):
-        # At least 1: a prompt that leaves no room is refused by the check against the
-        # model, which blames the prompt, not a max_tokens the client never sent; so is
-        # a min_tokens past the room, here.
-        room = max(room, 1)
-        check_min_tokens_fit(request.min_tokens, room)
+        room = default_budget_room(room, request.min_tokens)
         max_tokens = min(max(DEFAULT_MAX_TOKENS, request.min_tokens), room)
     return SamplingParams(
         max_tokens=max_tokens,

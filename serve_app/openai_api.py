@@ -25,7 +25,7 @@ from workers.engine.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
-    check_min_tokens_fit,
+    default_budget_room,
 )
 
 # An HTTP body over this is refused before it is parsed (gRPC's own limit is 4 MiB).
@@ -239,7 +239,7 @@ class CompletionRequest(_Request):
         max_tokens = self.max_tokens
         if max_tokens is None:
             default = max(DEFAULT_COMPLETION_MAX_TOKENS, self.min_tokens)
-            max_tokens = min(default, _room_left(room, self.min_tokens))
+            max_tokens = min(default, default_budget_room(room, self.min_tokens))
         return self._params(max_tokens, self.logprobs)
 
 
@@ -291,7 +291,7 @@ class ChatCompletionRequest(_Request):
         if max_tokens is None:
             max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = _room_left(room, self.min_tokens)
+            max_tokens = default_budget_room(room, self.min_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs)
 
@@ -302,16 +302,6 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     if params.seed is None:
         return [params] * n
     return [replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
-
-
-def _room_left(room: int, min_tokens: int) -> int:
-    """The default budget of a request that sent none: the context's room after the prompt.
-    At least 1: a prompt that leaves no room is then refused by the check against the
-    model, which blames the prompt (with its length), not a budget the client never sent;
-    a min_tokens past the room is refused here, for the same reason."""
-    room = max(room, 1)
-    check_min_tokens_fit(min_tokens, room)
-    return room
 
 
 _FIELDS = {

@@ -263,10 +263,12 @@ def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
         )
 
 
-def check_min_tokens_fit(min_tokens: object, room: int) -> None:
-    """For a request whose max_tokens defaults to the context's `room` after its prompt:
-    a min_tokens past that room is refused as the context's limit (OpenAI's code), not
-    as a breach of a max_tokens the client never sent."""
+def default_budget_room(room: int, min_tokens: object) -> int:
+    """The room a request that sent no max_tokens may fill: the context's `room` after its
+    prompt, at least 1 (a prompt that leaves none is refused by `check_prompt_fits`, as
+    the prompt's fault, not a budget the client never sent). A min_tokens past that room
+    is refused here, as the context's limit (OpenAI's code), for the same reason."""
+    room = max(room, 1)
     if _is_int(min_tokens) and min_tokens > room:
         raise InvalidRequestError(
             f"min_tokens ({min_tokens}) is more than the {room} tokens this model's maximum "
@@ -274,6 +276,7 @@ def check_min_tokens_fit(min_tokens: object, room: int) -> None:
             param="min_tokens",
             code=CONTEXT_LENGTH_EXCEEDED,
         )
+    return room
 
 
 def check_text(text: str, field: str) -> str:
