@@ -61,8 +61,11 @@ def write_tiny_gguf(
     overrides: dict[str, Any] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     seed: int = 0,
+    quantized: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Write a tiny random Llama GGUF the way llama.cpp lays one out.
+    """Write a tiny random Llama GGUF the way llama.cpp lays one out; `quantized` stores
+    the projections as Q4_1 and the embedding (and an untied output) as Q8_0, as a
+    Q4_1 llama.cpp file does.
 
     Returns the weights in Hugging Face layout (Q/K unpermuted, Q8_0 ones as they dequantize),
     i.e. exactly what a correct converter must produce.
@@ -108,12 +111,25 @@ def write_tiny_gguf(
 
     expected: dict[str, np.ndarray] = {}
 
-    def put(gguf_name: str, hf_name: str, hf_value: np.ndarray, n_head: int = 0) -> None:
+    def put(
+        gguf_name: str,
+        hf_name: str,
+        hf_value: np.ndarray,
+        n_head: int = 0,
+        qtype: GGMLQuantizationType | None = None,
+    ) -> None:
         stored = llama_cpp_permute(hf_value, n_head) if n_head else hf_value
+        if qtype is None:
+            writer.add_tensor(gguf_name, stored)
+        else:
+            # Blocks run along rows, so quantizing commutes with the row permutation.
+            hf_value = dequantize(quantize(hf_value, qtype), qtype)
+            writer.add_tensor(gguf_name, quantize(stored, qtype), raw_dtype=qtype)
         expected[hf_name] = hf_value
-        writer.add_tensor(gguf_name, stored)
 
-    put("token_embd.weight", "model.embed_tokens.weight", rand(len(tokens), t["hidden"]))
+    q4 = GGMLQuantizationType.Q4_1 if quantized else None
+    q8 = GGMLQuantizationType.Q8_0 if quantized else None
+    put("token_embd.weight", "model.embed_tokens.weight", rand(len(tokens), t["hidden"]), qtype=q8)
     for i in range(t["layers"]):
         hf = f"model.layers.{i}."
         put(
@@ -121,29 +137,52 @@ def write_tiny_gguf(
             hf + "self_attn.q_proj.weight",
             rand(t["hidden"], t["hidden"]),
             t["heads"],
+            q4,
         )
-        # One quantized tensor, so dequantization and unpermutation are exercised together.
-        k = dequantize(
-            quantize(rand(kv_rows, t["hidden"]), GGMLQuantizationType.Q8_0),
-            GGMLQuantizationType.Q8_0,
+        # Always one quantized tensor, so dequantization and unpermutation are exercised
+        # together.
+        put(
+            f"blk.{i}.attn_k.weight",
+            hf + "self_attn.k_proj.weight",
+            rand(kv_rows, t["hidden"]),
+            t["kv_heads"],
+            q4 or GGMLQuantizationType.Q8_0,
         )
-        expected[hf + "self_attn.k_proj.weight"] = k
-        k_q8 = quantize(llama_cpp_permute(k, t["kv_heads"]), GGMLQuantizationType.Q8_0)
-        writer.add_tensor(f"blk.{i}.attn_k.weight", k_q8, raw_dtype=GGMLQuantizationType.Q8_0)
-        put(f"blk.{i}.attn_v.weight", hf + "self_attn.v_proj.weight", rand(kv_rows, t["hidden"]))
+        put(
+            f"blk.{i}.attn_v.weight",
+            hf + "self_attn.v_proj.weight",
+            rand(kv_rows, t["hidden"]),
+            qtype=q4,
+        )
         put(
             f"blk.{i}.attn_output.weight",
             hf + "self_attn.o_proj.weight",
             rand(t["hidden"], t["hidden"]),
+            qtype=q4,
         )
-        put(f"blk.{i}.ffn_gate.weight", hf + "mlp.gate_proj.weight", rand(t["ffn"], t["hidden"]))
-        put(f"blk.{i}.ffn_up.weight", hf + "mlp.up_proj.weight", rand(t["ffn"], t["hidden"]))
-        put(f"blk.{i}.ffn_down.weight", hf + "mlp.down_proj.weight", rand(t["hidden"], t["ffn"]))
+        put(
+            f"blk.{i}.ffn_gate.weight",
+            hf + "mlp.gate_proj.weight",
+            rand(t["ffn"], t["hidden"]),
+            qtype=q4,
+        )
+        put(
+            f"blk.{i}.ffn_up.weight",
+            hf + "mlp.up_proj.weight",
+            rand(t["ffn"], t["hidden"]),
+            qtype=q4,
+        )
+        put(
+            f"blk.{i}.ffn_down.weight",
+            hf + "mlp.down_proj.weight",
+            rand(t["hidden"], t["ffn"]),
+            qtype=q4,
+        )
         put(f"blk.{i}.attn_norm.weight", hf + "input_layernorm.weight", rand(t["hidden"]))
         put(f"blk.{i}.ffn_norm.weight", hf + "post_attention_layernorm.weight", rand(t["hidden"]))
     put("output_norm.weight", "model.norm.weight", rand(t["hidden"]))
     if not tied:
-        put("output.weight", "lm_head.weight", rand(len(tokens), t["hidden"]))
+        put("output.weight", "lm_head.weight", rand(len(tokens), t["hidden"]), qtype=q8)
     for name, value in (extra_tensors or {}).items():
         writer.add_tensor(name, value)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from workers.model import default_model
+from workers.model.block_matmul import BLOCKS_FILE
 from workers.model.default_model import (
     DEFAULT_MODEL_NAME,
     default_cache_dir,
@@ -84,6 +85,19 @@ def test_first_call_converts_and_second_reuses(tmp_path, counting_download):
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         [DEFAULT_MODEL_NAME, gguf.name, f".{DEFAULT_MODEL_NAME}.lock"]
     )
+
+
+def test_a_folder_converted_before_blocks_were_kept_gets_them(tmp_path, counting_download):
+    cache = tmp_path / "cache"
+    model = ensure_default_model(cache)
+    blocks = model / BLOCKS_FILE
+    original = blocks.read_bytes()
+    blocks.unlink()
+    weights = (model / "model.safetensors").stat().st_mtime_ns
+    assert ensure_default_model(cache) == model
+    assert blocks.read_bytes() == original
+    assert (model / "model.safetensors").stat().st_mtime_ns == weights  # not reconverted
+    assert len(counting_download) == 1
 
 
 def test_kept_gguf_is_reused_when_folder_is_missing(tmp_path, counting_download):

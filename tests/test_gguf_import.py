@@ -18,7 +18,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from workers.model import gguf_import
-from workers.model.gguf_import import convert_gguf, unpermute_qk
+from workers.model.block_matmul import BLOCKS_FILE, BlockSource
+from workers.model.gguf_import import convert_gguf, unpermute_qk, write_blocks
 
 
 def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -52,6 +53,7 @@ def test_tiny_conversion_is_exact(tmp_path, make_tiny_gguf, tied):
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "generation_config.json",
+        "gguf_blocks",
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
@@ -162,6 +164,32 @@ def test_existing_output_is_not_overwritten(tmp_path, make_tiny_gguf):
     with pytest.raises(FileExistsError):
         convert_gguf(tmp_path / "tiny.gguf", tmp_path / "model")
     assert (tmp_path / "model" / "keep").read_text() == "mine"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantized_tensors_keep_their_blocks(tmp_path, make_tiny_gguf, tied):
+    expected = make_tiny_gguf(tmp_path / "tiny.gguf", tied=tied, quantized=True)
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "model")
+    with safe_open(str(out / BLOCKS_FILE), "pt") as f:
+        kinds = {k: v for k, v in f.metadata().items() if k != "format"}
+        # Every matrix is kept: projections as Q4_1, embedding and output as Q8_0; the
+        # norms (float32 in the GGUF) are not.
+        assert set(kinds) == {n for n in expected if not n.endswith("norm.weight")}
+        for name, kind in kinds.items():
+            assert kind == ("q8_0" if "embed" in name or "lm_head" in name else "q4_1"), name
+            blocks = BlockSource(f, name, kind).read()
+            # Exact: Q and K rows come out unpermuted like the float32 weights.
+            np.testing.assert_array_equal(blocks.dequantize().numpy(), expected[name], name)
+
+
+def test_blocks_are_added_to_a_folder_converted_without_them(tmp_path, make_tiny_gguf):
+    make_tiny_gguf(tmp_path / "tiny.gguf", quantized=True)
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "model")
+    original = (out / BLOCKS_FILE).read_bytes()
+    (out / BLOCKS_FILE).unlink()
+    write_blocks(tmp_path / "tiny.gguf", out)
+    assert (out / BLOCKS_FILE).read_bytes() == original
+    assert os.listdir((out / BLOCKS_FILE).parent) == [Path(BLOCKS_FILE).name]
 
 
 def test_crash_midway_leaves_no_folder(tmp_path, make_tiny_gguf, monkeypatch):

@@ -91,3 +91,83 @@ def test_timing_a_single_row_pass_measures_both_copies():
     transposed_s, packed_s = parallel._time_single_row(list(layers), rounds=2)
     assert transposed_s > 0 and packed_s > 0
     assert parallel.keep_faster_single_row_copy(list(layers)) in ("packed", "transposed")
+
+
+# --- a GGUF's blocks (block_matmul.py) in the layers --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tmp_path_factory):
+    """A tiny model converted from a GGUF stored as Q4_1 / Q8_0, blocks kept."""
+    from conftest import write_tiny_gguf
+
+    from workers.model.gguf_import import convert_gguf
+
+    root = tmp_path_factory.mktemp("quantized")
+    write_tiny_gguf(root / "tiny.gguf", quantized=True)
+    return convert_gguf(root / "tiny.gguf", root / "model")
+
+
+def _linear_layers(model) -> dict[str, parallel.PackableLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, parallel.PackableLinear)}
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_each_rank_takes_the_blocks_of_its_own_shard(quantized_dir, tp_size):
+    from workers.model.config import ModelConfig
+    from workers.model.llama import LlamaForCausalLM
+    from workers.model.loader import load_blocks, load_weights
+
+    cfg = ModelConfig.from_pretrained(quantized_dir)
+    for rank in range(tp_size):
+        model = LlamaForCausalLM(cfg, TPGroup(rank, tp_size))
+        load_weights(model, quantized_dir)
+        load_blocks(model, quantized_dir)
+        for name, layer in _linear_layers(model).items():
+            if tp_size == 2 and name.endswith("down_proj"):
+                # 96 input features split 48 / 48: a rank's columns would cut a block.
+                assert layer.blocks is None, name
+                continue
+            assert layer.blocks is not None, name
+            # Exact: the shard's blocks are the shard's weights.
+            assert torch.equal(layer.blocks.dequantize(), layer.weight.detach()), name
+
+
+def test_small_batches_run_on_the_blocks_and_compute_what_float32_does(
+    quantized_dir, tmp_path, monkeypatch
+):
+    import shutil
+
+    from workers.model.block_matmul import BLOCKS_FILE
+    from workers.model.loader import load_model
+
+    plain_dir = tmp_path / "plain"
+    shutil.copytree(quantized_dir, plain_dir)
+    shutil.rmtree((plain_dir / BLOCKS_FILE).parent)
+    with_blocks, plain = load_model(quantized_dir), load_model(plain_dir)
+    layers = _linear_layers(with_blocks)
+    assert all(m.blocks is not None and m.weight_t is None for m in layers.values())
+    assert all(m.blocks is None for m in _linear_layers(plain).values())
+
+    calls = []
+    real = parallel.WeightBlocks.matmul
+    monkeypatch.setattr(
+        parallel.WeightBlocks, "matmul", lambda self, x: calls.append(len(x)) or real(self, x)
+    )
+    head = with_blocks.lm_head
+    for rows in (1, 5, 8, 9, 32, 40):
+        hidden = torch.randn(rows, head.blocks.shape[1])
+        for name, layer in layers.items():
+            if name == "lm_head":
+                continue
+            x = torch.randn(rows, layer.blocks.shape[1])
+            reference = _linear_layers(plain)[name]
+            torch.testing.assert_close(layer.matmul(x), reference.matmul(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            with_blocks.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5
+        )
+    # Q4_1 projections take the blocks up to 8 rows, the Q8_0 head up to 32.
+    projections = len(layers) - 1
+    assert calls.count(1) == calls.count(5) == calls.count(8) == projections + 1
+    assert calls.count(9) == calls.count(32) == 1
+    assert 40 not in calls

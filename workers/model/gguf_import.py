@@ -2,6 +2,8 @@
 
 The engine only reads safetensors + config.json + tokenizer.json, so a GGUF (the form small
 models are easiest to get offline) is dequantized to fp32 once and written in that layout.
+Its Q4_1 and Q8_0 tensors are also kept as they are, in `BLOCKS_FILE` beside the weights,
+for the engine's small-batch kernel (block_matmul.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from workers.model.block_matmul import BLOCKS_FILE, QS_BYTES
 from workers.model.gguf_tokenizer import build_tokenizer, tokenizer_config
 
-__all__ = ["convert_gguf", "unpermute_qk"]
+__all__ = ["convert_gguf", "unpermute_qk", "write_blocks"]
 
 # GGUF per-layer tensor suffix -> Hugging Face LlamaForCausalLM name within model.layers.N.
 _LAYER_NAMES = {
@@ -61,6 +64,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         _write_safetensors(tmp / "model.safetensors", _hf_tensors(reader, config))
+        _write_blocks(reader, config, tmp / BLOCKS_FILE)
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta, config))
@@ -73,6 +77,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         raise
     _fsync_dir(out_dir.parent)
     return out_dir
+
+
+def write_blocks(gguf_path: Path, model_dir: Path) -> None:
+    """Add `BLOCKS_FILE` to a folder `convert_gguf` made from this GGUF before it kept
+    blocks (written beside, then renamed into place)."""
+    reader = GGUFReader(gguf_path)
+    config = _build_config(GGUFMetadata(reader, gguf_path), {t.name for t in reader.tensors})
+    target = Path(model_dir) / BLOCKS_FILE
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        _write_blocks(reader, config, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -219,6 +237,42 @@ def _hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterable[tuple[st
         yield name, array
 
 
+# GGUF block layouts the kernel reads: (kind, bytes before the packed values: a float16
+# scale, and for Q4_1 a float16 minimum), the values following.
+_BLOCK_KINDS = {GGMLQuantizationType.Q4_1: ("q4_1", 4), GGMLQuantizationType.Q8_0: ("q8_0", 2)}
+
+
+def _write_blocks(reader: GGUFReader, config: dict[str, Any], path: Path) -> None:
+    """The Q4_1 / Q8_0 matrices as `<hf name>.qs`, `.scale` (and `.min`), their kinds in
+    the file's metadata; rows unpermuted as `_hf_tensors` does for Q and K."""
+    kinds: dict[str, str] = {}
+
+    def arrays() -> Iterable[tuple[str, np.ndarray]]:
+        n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+        for tensor in reader.tensors:
+            block = _BLOCK_KINDS.get(GGMLQuantizationType(tensor.tensor_type))
+            if block is None or len(tensor.shape) != 2:
+                continue
+            kind, head_bytes = block
+            name = _hf_name(tensor.name)
+            rows = int(tensor.shape[1])
+            block_bytes = head_bytes + QS_BYTES[kind]
+            blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, block_bytes)
+            parts = {
+                "qs": blocks[:, :, head_bytes:].reshape(rows, -1),
+                "scale": blocks[:, :, 0:2].copy().view("<f2").astype(np.float32)[..., 0],
+            }
+            if kind == "q4_1":
+                parts["min"] = blocks[:, :, 2:4].copy().view("<f2").astype(np.float32)[..., 0]
+            heads = {"q_proj": n_head, "k_proj": n_kv}.get(name.split(".")[-2])
+            kinds[name] = kind
+            for part, array in parts.items():
+                yield f"{name}.{part}", unpermute_qk(array, heads) if heads else array
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_safetensors(path, arrays(), kinds)
+
+
 def _hf_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -230,28 +284,33 @@ def _hf_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no LlamaForCausalLM counterpart")
 
 
-def _write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+def _write_safetensors(
+    path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None
+) -> None:
     """Stream tensors into one safetensors file.
 
     safetensors' own writers need every tensor in memory at once (the fp32 model is ~4x the
     GGUF); the format is just a JSON header of offsets followed by raw little-endian bytes, so
     the data is written first and the header, whose size is then known, is put in front.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {}
     body = path.with_suffix(".body")
     offset = 0
     with open(body, "wb") as out:
         for name, array in tensors:
             if name in header:
                 raise ValueError(f"duplicate tensor {name!r} in GGUF")
-            data = np.ascontiguousarray(array, dtype="<f4")
+            dtype = "U8" if array.dtype == np.uint8 else "F32"
+            data = np.ascontiguousarray(array, dtype="u1" if dtype == "U8" else "<f4")
             header[name] = {
-                "dtype": "F32",
+                "dtype": dtype,
                 "shape": list(data.shape),
                 "data_offsets": [offset, offset + data.nbytes],
             }
             out.write(memoryview(data).cast("B"))
             offset += data.nbytes
+    # The metadata (filled while the tensors streamed) goes in the header written last.
+    header["__metadata__"] = {"format": "pt", **(metadata or {})}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # keep tensor data 8-byte aligned for mmap readers
     with open(path, "wb") as out, open(body, "rb") as src:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from workers.model.block_matmul import BLOCKS_FILE, BlockSource, kernel_library
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaForCausalLM
 from workers.model.parallel import TPGroup, copy_weight, native_bf16_matmul
@@ -75,6 +76,8 @@ def load_model(
     with torch.device(device):
         model = LlamaForCausalLM(cfg, tp, max_positions, dtype)
     load_weights(model, model_dir)
+    if dtype == torch.float32 and torch.device(device).type == "cpu":
+        load_blocks(model, model_dir)
     model.pack_weights()
     return model.eval()
 
@@ -106,6 +109,26 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     missing = sorted(n for n in expected if not _parts(n) <= loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors: {missing[:8]}")
+
+
+def load_blocks(model: LlamaForCausalLM, model_dir: Path) -> None:
+    """Hands the layers their weights' GGUF blocks (block_matmul.py), where the folder
+    has them and this machine runs the kernel. A tied embedding's blocks serve the LM
+    head; the embedding lookup itself reads the float32 copy."""
+    path = model_dir / BLOCKS_FILE
+    if not path.is_file() or kernel_library() is None:
+        return
+    modules = dict(model.named_modules())
+    with safe_open(str(path), framework="pt") as f:
+        for name, kind in (f.metadata() or {}).items():
+            if name == "format":
+                continue
+            module_path, _, shard_id = _resolve(name)
+            if module_path == "model.embed_tokens" and model.config.tie_word_embeddings:
+                module_path = "lm_head"
+            loader = getattr(modules.get(module_path), "load_blocks", None)
+            if loader is not None:
+                loader(BlockSource(f, name, kind), shard_id)
 
 
 def _parts(param: str) -> set[str]:

@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model.block_matmul import BLOCK_SIZE, BlockSource, WeightBlocks, kernel_library
+
 log = logging.getLogger(__name__)
 
 
@@ -102,17 +104,25 @@ class PackableLinear(nn.Module):
     weight: nn.Parameter | None
     packed: torch.Tensor | None = None
     weight_t: torch.Tensor | None = None
+    # The GGUF's own blocks of this weight (block_matmul.py), for batches of up to
+    # `blocks.max_rows` rows; they replace the transposed one-row copy.
+    blocks: WeightBlocks | None = None
 
     def pack(self) -> None:
+        if self.blocks is not None and kernel_library() is None:
+            self.blocks = None
         if self.weight is None or not _can_pack(self.weight):
             return
         weight = self.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        if weight.dtype == torch.float32:
+        if weight.dtype == torch.float32 and self.blocks is None:
             self.weight_t = weight.t().contiguous()
         self.weight = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.blocks is not None and x.shape[0] <= self.blocks.max_rows:
+            out = self.blocks.matmul(x)
+            return out if bias is None else out + bias
         if self.packed is None:
             return F.linear(x, self.weight, bias)
         if x.shape[0] == 1 and self.weight_t is not None:
@@ -207,6 +217,7 @@ class ColumnParallelLinear(PackableLinear):
         self.weight = nn.Parameter(
             torch.empty(offset, in_features, dtype=dtype), requires_grad=False
         )
+        self._block_parts: dict[str, WeightBlocks] = {}
         self.bias = (
             nn.Parameter(torch.zeros(offset, dtype=dtype), requires_grad=False) if bias else None
         )
@@ -218,6 +229,19 @@ class ColumnParallelLinear(PackableLinear):
         copy_weight(
             dst[self.offsets[shard_id] : self.offsets[shard_id] + local], src[start : start + local]
         )
+
+    def load_blocks(self, src: BlockSource, shard_id: str) -> None:
+        """Takes this rank's rows of one part's blocks; the layer uses blocks once every
+        part has some, all of one kind."""
+        local = self.local_sizes[shard_id]
+        start = self.tp.rank * local
+        self._block_parts[shard_id] = src.read(slice(start, start + local))
+        if len(self._block_parts) < len(self.local_sizes):
+            return
+        parts = [self._block_parts[s] for s in sorted(self.offsets, key=self.offsets.get)]
+        self._block_parts = {}
+        if len({p.kind for p in parts}) == 1:
+            self.blocks = WeightBlocks.cat_rows(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -252,6 +276,12 @@ class RowParallelLinear(PackableLinear):
             return
         local = self.weight.shape[1]
         copy_weight(self.weight, src[:, self.in_start : self.in_start + local])
+
+    def load_blocks(self, src: BlockSource, shard_id: str | None = None) -> None:
+        local = self.weight.shape[1]
+        # A rank whose columns would split a block runs on its float32 weights alone.
+        if self.in_start % BLOCK_SIZE == 0 and local % BLOCK_SIZE == 0:
+            self.blocks = src.read(columns=(self.in_start, self.in_start + local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(self.matmul(x))
@@ -289,6 +319,11 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Vocab-parallel output projection; full-vocab logits are gathered on every rank."""
+
+    def load_blocks(self, src: BlockSource, shard_id: str | None = None) -> None:
+        end = min(self.vocab_start + self.per_rank, self.vocab_size)
+        if end > self.vocab_start:
+            self.blocks = src.read(slice(self.vocab_start, end)).padded_rows(self.per_rank)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather_last_dim(self.matmul(hidden))

@@ -139,6 +139,8 @@ class TPWorker:
                 t = getattr(module, name, None)
                 if t is not None:
                     total += t.numel() * t.element_size()
+            blocks = getattr(module, "blocks", None)
+            total += 0 if blocks is None else blocks.nbytes
         return total
 
     def time_all_reduce(self, numel: int, iters: int) -> float:

@@ -1,0 +1,142 @@
+"""The GGUF block kernel against the float32 arithmetic it stands in for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from workers.model import block_matmul
+from workers.model.block_matmul import BlockSource, WeightBlocks, kernel_library
+
+pytestmark = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="the block kernel needs AVX2",
+)
+
+_TYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+_HEAD = {"q4_1": 4, "q8_0": 2}
+
+
+def gguf_blocks(weight: np.ndarray, kind: str) -> tuple[WeightBlocks, np.ndarray]:
+    """`weight` quantized by gguf-py, as WeightBlocks and as gguf-py dequantizes it."""
+    qtype = _TYPES[kind]
+    raw = quantize(weight, qtype)
+    rows, head = weight.shape[0], _HEAD[kind]
+    blocks = raw.reshape(rows, -1, head + block_matmul.QS_BYTES[kind])
+    scale = blocks[:, :, 0:2].copy().view("<f2").astype(np.float32)[..., 0]
+    mins = blocks[:, :, 2:4].copy().view("<f2").astype(np.float32)[..., 0] if head == 4 else None
+    out = WeightBlocks(
+        kind,
+        torch.from_numpy(np.ascontiguousarray(blocks[:, :, head:].reshape(rows, -1))),
+        torch.from_numpy(scale),
+        None if mins is None else torch.from_numpy(mins),
+    )
+    return out, dequantize(raw, qtype)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_blocks_dequantize_as_gguf_does(kind):
+    weight = np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32)
+    blocks, reference = gguf_blocks(weight, kind)
+    assert blocks.shape == (40, 96)
+    np.testing.assert_array_equal(blocks.dequantize().numpy(), reference)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 33])
+def test_matmul_equals_float32_on_the_dequantized_weight(kind, rows):
+    # 50 weight rows: not a whole number of the kernel's 16-row chunks.
+    weight = np.random.default_rng(rows).standard_normal((50, 128)).astype(np.float32)
+    blocks, reference = gguf_blocks(weight, kind)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    expected = x.double() @ torch.from_numpy(reference).double().t()
+    got = blocks.matmul(x)
+    assert got.shape == (rows, 50) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_matmul_uses_the_callers_thread_count():
+    weight = np.random.default_rng(1).standard_normal((256, 64)).astype(np.float32)
+    blocks, reference = gguf_blocks(weight, "q4_1")
+    x = torch.randn(4, 64)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(blocks.matmul(x))
+    finally:
+        torch.set_num_threads(before)
+    # Each output is one thread's sum whatever the split, so the results agree exactly.
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0], x @ torch.from_numpy(reference).t(), rtol=1e-5, atol=1e-4)
+
+
+def test_padded_rows_are_zero_weights():
+    weight = np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32)
+    blocks, _ = gguf_blocks(weight, "q8_0")
+    padded = blocks.padded_rows(8)
+    assert padded.shape == (8, 64)
+    x = torch.randn(3, 64)
+    out = padded.matmul(x)
+    assert torch.equal(out[:, 5:], torch.zeros(3, 3))
+    torch.testing.assert_close(out[:, :5], blocks.matmul(x), rtol=0, atol=0)
+
+
+def test_cat_rows_stacks_parts_in_order():
+    rng = np.random.default_rng(3)
+    a, ref_a = gguf_blocks(rng.standard_normal((4, 64)).astype(np.float32), "q4_1")
+    b, ref_b = gguf_blocks(rng.standard_normal((6, 64)).astype(np.float32), "q4_1")
+    both = WeightBlocks.cat_rows([a, b])
+    np.testing.assert_array_equal(both.dequantize().numpy(), np.concatenate([ref_a, ref_b]))
+
+
+def test_bad_shapes_and_kinds_are_refused():
+    blocks, _ = gguf_blocks(np.ones((4, 64), dtype=np.float32), "q8_0")
+    with pytest.raises(RuntimeError, match=r"float32 \[M, 64\]"):
+        blocks.matmul(torch.ones(2, 32))
+    with pytest.raises(RuntimeError, match="float32"):
+        blocks.matmul(torch.ones(2, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="q5_0"):
+        WeightBlocks("q5_0", blocks.qs, blocks.scale)
+
+
+def test_a_block_source_reads_row_and_block_aligned_column_slices(tmp_path):
+    weight = np.random.default_rng(4).standard_normal((12, 128)).astype(np.float32)
+    blocks, reference = gguf_blocks(weight, "q4_1")
+    path = tmp_path / "blocks.safetensors"
+    save_file({"w.qs": blocks.qs, "w.scale": blocks.scale, "w.min": blocks.min}, str(path))
+    with safe_open(str(path), framework="pt") as f:
+        src = BlockSource(f, "w", "q4_1")
+        assert src.shape == (12, 128)
+        part = src.read(slice(2, 7), columns=(32, 96))
+        np.testing.assert_array_equal(part.dequantize().numpy(), reference[2:7, 32:96])
+        with pytest.raises(ValueError, match="32-blocks"):
+            src.read(columns=(16, 64))
+        with pytest.raises(ValueError, match="block kind"):
+            BlockSource(f, "w", "f16")
+
+
+def test_the_kernel_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    compiler = block_matmul.shutil.which("cc") or "gcc"
+    first = block_matmul._build(compiler)
+    assert first.parent == tmp_path / "baton" / "kernels" and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    assert block_matmul._build(compiler) == first
+    assert first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp files left
+
+
+def test_without_a_compiler_the_model_runs_on_float32(monkeypatch, caplog):
+    monkeypatch.setattr(block_matmul, "_tried", False)
+    monkeypatch.setattr(block_matmul, "_library", None)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(block_matmul.shutil, "which", lambda name: None)
+    assert kernel_library() is None
+    assert "no C compiler" in caplog.text
