@@ -97,6 +97,11 @@ def test_a_folder_converted_before_blocks_were_kept_gets_them(tmp_path, counting
     assert ensure_default_model(cache) == model
     assert blocks.read_bytes() == original
     assert (model / "model.safetensors").stat().st_mtime_ns == weights  # not reconverted
+    # Blocks without the digest of these weights, or torn ones, are written again too.
+    for stale in (b"\x02\x00\x00\x00\x00\x00\x00\x00{}", b"torn"):
+        blocks.write_bytes(stale)
+        assert ensure_default_model(cache) == model
+        assert blocks.read_bytes() == original
     assert len(counting_download) == 1
 
 

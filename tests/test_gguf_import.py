@@ -18,8 +18,9 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from workers.model import gguf_import
-from workers.model.block_matmul import BLOCKS_FILE, BlockSource
+from workers.model.block_matmul import BLOCKS_FILE, WEIGHTS_DIGEST_KEY, BlockSource
 from workers.model.gguf_import import convert_gguf, unpermute_qk, write_blocks
+from workers.model.loader import weights_digest
 
 
 def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -171,7 +172,10 @@ def test_quantized_tensors_keep_their_blocks(tmp_path, make_tiny_gguf, tied):
     expected = make_tiny_gguf(tmp_path / "tiny.gguf", tied=tied, quantized=True)
     out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "model")
     with safe_open(str(out / BLOCKS_FILE), "pt") as f:
-        kinds = {k: v for k, v in f.metadata().items() if k != "format"}
+        kinds = dict(f.metadata())
+        assert kinds.pop("format") == "pt"
+        # Written for these weights (the loader ignores blocks of replaced ones).
+        assert kinds.pop(WEIGHTS_DIGEST_KEY) == weights_digest(out)
         # Every matrix is kept: projections as Q4_1, embedding and output as Q8_0; the
         # norms (float32 in the GGUF) are not.
         assert set(kinds) == {n for n in expected if not n.endswith("norm.weight")}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,3 +173,35 @@ def test_small_batches_run_on_the_blocks_and_compute_what_float32_does(
     assert calls.count(1) == calls.count(5) == calls.count(8) == projections + 1
     assert calls.count(9) == calls.count(32) == 1
     assert 40 not in calls
+
+
+def test_blocks_of_replaced_weights_are_not_used(quantized_dir, tmp_path, caplog):
+    import shutil
+
+    from workers.model.loader import load_model
+
+    folder = tmp_path / "replaced"
+    shutil.copytree(quantized_dir, folder)
+    # A fine-tune written over the converted weights, its blocks left behind.
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    model = load_model(folder)
+    assert all(m.blocks is None for m in _linear_layers(model).values())
+    assert "made for other weights" in caplog.text
+
+
+def test_blocks_that_do_not_fit_the_weight_are_refused(quantized_dir):
+    from safetensors import safe_open
+
+    from workers.model.block_matmul import BLOCKS_FILE, BlockSource
+
+    layer = ColumnParallelLinear(64, {"q": 32}, TPGroup.single())
+    with safe_open(str(quantized_dir / BLOCKS_FILE), framework="pt") as f:
+        name = "model.layers.0.self_attn.k_proj.weight"  # 32 rows of 64: fits
+        layer.load_blocks(BlockSource(f, name, "q4_1"), "q")
+        assert layer.blocks is not None and layer.blocks.shape == (32, 64)
+        wide = RowParallelLinear(96, 64, TPGroup.single())
+        wide.load_blocks(BlockSource(f, "model.layers.0.mlp.gate_proj.weight", "q4_1"))
+    layer.pack()  # fits
+    with pytest.raises(ValueError, match=r"do not fit the weight \(64, 96\); delete"):
+        wide.pack()

@@ -34,6 +34,9 @@ BLOCK_SIZE = 32
 # Where a converted folder keeps its blocks: in a folder of its own, so that loaders
 # globbing the model folder's *.safetensors for weights never take it for one.
 BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
+# The file's metadata key for a digest of the float32 weights it was written beside
+# (loader.weights_digest): blocks of replaced weights must not be used.
+WEIGHTS_DIGEST_KEY = "weights_digest"
 # Bytes of one block of 32 weights in `qs` (the scales and minimums are kept apart).
 QS_BYTES = {"q4_1": 16, "q8_0": 32}
 _KIND_IDS = {"q4_1": 0, "q8_0": 1}

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from workers.model.block_matmul import BLOCKS_FILE
 from workers.model.gguf_import import convert_gguf, write_blocks
+from workers.model.loader import blocks_match_weights
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -64,7 +64,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the converted SmolLM2-135M-Instruct folder, downloading and converting it once."""
     root = _root(cache_dir)
     model_dir = root / DEFAULT_MODEL_NAME
-    if _is_converted(model_dir) and (model_dir / BLOCKS_FILE).is_file():
+    if _is_converted(model_dir) and blocks_match_weights(model_dir):
         return model_dir
     with _locked(root):
         # Another process may have finished while this one waited for the lock.
@@ -72,8 +72,8 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
             gguf_path = _ensure_gguf_locked(root)
             log.info("converting %s to %s", gguf_path, model_dir)
             convert_gguf(gguf_path, model_dir)
-        elif not (model_dir / BLOCKS_FILE).is_file():
-            # Converted by a Baton that did not keep the GGUF's blocks yet.
+        elif not blocks_match_weights(model_dir):
+            # Converted by a Baton that did not keep the GGUF's blocks (or their digest).
             gguf_path = _ensure_gguf_locked(root)
             log.info("adding %s's weight blocks to %s", gguf_path, model_dir)
             write_blocks(gguf_path, model_dir)

@@ -20,8 +20,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from workers.model.block_matmul import BLOCKS_FILE, QS_BYTES
+from workers.model.block_matmul import BLOCKS_FILE, QS_BYTES, WEIGHTS_DIGEST_KEY
 from workers.model.gguf_tokenizer import build_tokenizer, tokenizer_config
+from workers.model.loader import weights_digest
 
 __all__ = ["convert_gguf", "unpermute_qk", "write_blocks"]
 
@@ -64,9 +65,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         _write_safetensors(tmp / "model.safetensors", _hf_tensors(reader, config))
-        _write_blocks(reader, config, tmp / BLOCKS_FILE)
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "config.json", config)
+        _write_blocks(reader, config, tmp)
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta, config))
         _write_json(tmp / "generation_config.json", _generation_config(config))
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the model folder is meant to be shared
@@ -84,13 +85,7 @@ def write_blocks(gguf_path: Path, model_dir: Path) -> None:
     blocks (written beside, then renamed into place)."""
     reader = GGUFReader(gguf_path)
     config = _build_config(GGUFMetadata(reader, gguf_path), {t.name for t in reader.tensors})
-    target = Path(model_dir) / BLOCKS_FILE
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        _write_blocks(reader, config, tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write_blocks(reader, config, Path(model_dir))
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -242,10 +237,12 @@ def _hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterable[tuple[st
 _BLOCK_KINDS = {GGMLQuantizationType.Q4_1: ("q4_1", 4), GGMLQuantizationType.Q8_0: ("q8_0", 2)}
 
 
-def _write_blocks(reader: GGUFReader, config: dict[str, Any], path: Path) -> None:
-    """The Q4_1 / Q8_0 matrices as `<hf name>.qs`, `.scale` (and `.min`), their kinds in
-    the file's metadata; rows unpermuted as `_hf_tensors` does for Q and K."""
-    kinds: dict[str, str] = {}
+def _write_blocks(reader: GGUFReader, config: dict[str, Any], model_dir: Path) -> None:
+    """`BLOCKS_FILE` of the folder whose weights and config are written: the Q4_1 / Q8_0
+    matrices as `<hf name>.qs`, `.scale` (and `.min`), rows unpermuted as `_hf_tensors`
+    does for Q and K; the file's metadata holds their kinds and the weights' digest.
+    Written beside, then renamed into place."""
+    kinds: dict[str, str] = {WEIGHTS_DIGEST_KEY: weights_digest(model_dir)}
 
     def arrays() -> Iterable[tuple[str, np.ndarray]]:
         n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -269,8 +266,14 @@ def _write_blocks(reader: GGUFReader, config: dict[str, Any], path: Path) -> Non
             for part, array in parts.items():
                 yield f"{name}.{part}", unpermute_qk(array, heads) if heads else array
 
+    path = model_dir / BLOCKS_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(path, arrays(), kinds)
+    try:
+        _write_safetensors(tmp, arrays(), kinds)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -8,9 +8,14 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from workers.model.block_matmul import BLOCKS_FILE, BlockSource, kernel_library
+from workers.model.block_matmul import (
+    BLOCKS_FILE,
+    WEIGHTS_DIGEST_KEY,
+    BlockSource,
+    kernel_library,
+)
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaForCausalLM
 from workers.model.parallel import TPGroup, copy_weight, native_bf16_matmul
@@ -44,9 +49,15 @@ def model_identity(model_dir: str | Path) -> str:
     """The folder's name plus a digest of its config and of sampled weight bytes.
 
     Block hashes start from this, so two checkpoints that share a folder name (two
-    fine-tunes of one base) must not share an identity; hashing whole files would
-    cost seconds per start, 16 x 64 KiB samples per file tell fine-tunes apart.
-    """
+    fine-tunes of one base) must not share an identity."""
+    model_dir = Path(model_dir)
+    return f"{model_dir.resolve().name}-{weights_digest(model_dir)[:12]}"
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """A digest of the folder's config and of sampled bytes of its weight files:
+    hashing whole files would cost seconds per start, 16 x 64 KiB samples per file tell
+    fine-tunes apart."""
     model_dir = Path(model_dir)
     digest = hashlib.sha256((model_dir / "config.json").read_bytes())
     for path in safetensors_files(model_dir):
@@ -56,7 +67,7 @@ def model_identity(model_dir: str | Path) -> str:
             for i in range(16):
                 f.seek(size * i // 16)
                 digest.update(f.read(64 * 1024))
-    return f"{model_dir.resolve().name}-{digest.hexdigest()[:12]}"
+    return digest.hexdigest()
 
 
 def load_model(
@@ -118,10 +129,18 @@ def load_blocks(model: LlamaForCausalLM, model_dir: Path) -> None:
     path = model_dir / BLOCKS_FILE
     if not path.is_file() or kernel_library() is None:
         return
+    if not blocks_match_weights(model_dir):
+        logger.warning(
+            "%s was made for other weights than %s's (replaced since the conversion?); "
+            "running on the float32 weights alone. Delete it, or the folder, to convert again",
+            path,
+            model_dir,
+        )
+        return
     modules = dict(model.named_modules())
     with safe_open(str(path), framework="pt") as f:
         for name, kind in (f.metadata() or {}).items():
-            if name == "format":
+            if name in ("format", WEIGHTS_DIGEST_KEY):
                 continue
             module_path, _, shard_id = _resolve(name)
             if module_path == "model.embed_tokens" and model.config.tie_word_embeddings:
@@ -129,6 +148,19 @@ def load_blocks(model: LlamaForCausalLM, model_dir: Path) -> None:
             loader = getattr(modules.get(module_path), "load_blocks", None)
             if loader is not None:
                 loader(BlockSource(f, name, kind), shard_id)
+
+
+def blocks_match_weights(model_dir: Path) -> bool:
+    """Whether the folder has a `BLOCKS_FILE` written beside its current weights."""
+    path = Path(model_dir) / BLOCKS_FILE
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            written_for = (f.metadata() or {}).get(WEIGHTS_DIGEST_KEY)
+    except SafetensorError:  # a torn or foreign file: as good as none
+        return False
+    return written_for == weights_digest(model_dir)
 
 
 def _parts(param: str) -> set[str]:

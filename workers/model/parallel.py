@@ -111,6 +111,11 @@ class PackableLinear(nn.Module):
     def pack(self) -> None:
         if self.blocks is not None and kernel_library() is None:
             self.blocks = None
+        if self.blocks is not None and self.blocks.shape != tuple(self.weight.shape):
+            raise ValueError(
+                f"GGUF blocks of shape {self.blocks.shape} do not fit the weight "
+                f"{tuple(self.weight.shape)}; delete the model folder to convert it again"
+            )
         if self.weight is None or not _can_pack(self.weight):
             return
         weight = self.weight.detach()
