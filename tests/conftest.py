@@ -148,36 +148,14 @@ def write_tiny_gguf(
             t["kv_heads"],
             q4 or GGMLQuantizationType.Q8_0,
         )
-        put(
-            f"blk.{i}.attn_v.weight",
-            hf + "self_attn.v_proj.weight",
-            rand(kv_rows, t["hidden"]),
-            qtype=q4,
-        )
-        put(
-            f"blk.{i}.attn_output.weight",
-            hf + "self_attn.o_proj.weight",
-            rand(t["hidden"], t["hidden"]),
-            qtype=q4,
-        )
-        put(
-            f"blk.{i}.ffn_gate.weight",
-            hf + "mlp.gate_proj.weight",
-            rand(t["ffn"], t["hidden"]),
-            qtype=q4,
-        )
-        put(
-            f"blk.{i}.ffn_up.weight",
-            hf + "mlp.up_proj.weight",
-            rand(t["ffn"], t["hidden"]),
-            qtype=q4,
-        )
-        put(
-            f"blk.{i}.ffn_down.weight",
-            hf + "mlp.down_proj.weight",
-            rand(t["hidden"], t["ffn"]),
-            qtype=q4,
-        )
+        for gguf_leaf, hf_leaf, shape in (
+            ("attn_v", "self_attn.v_proj", (kv_rows, t["hidden"])),
+            ("attn_output", "self_attn.o_proj", (t["hidden"], t["hidden"])),
+            ("ffn_gate", "mlp.gate_proj", (t["ffn"], t["hidden"])),
+            ("ffn_up", "mlp.up_proj", (t["ffn"], t["hidden"])),
+            ("ffn_down", "mlp.down_proj", (t["hidden"], t["ffn"])),
+        ):
+            put(f"blk.{i}.{gguf_leaf}.weight", f"{hf}{hf_leaf}.weight", rand(*shape), qtype=q4)
         put(f"blk.{i}.attn_norm.weight", hf + "input_layernorm.weight", rand(t["hidden"]))
         put(f"blk.{i}.ffn_norm.weight", hf + "post_attention_layernorm.weight", rand(t["hidden"]))
     put("output_norm.weight", "model.norm.weight", rand(t["hidden"]))
