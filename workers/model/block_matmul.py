@@ -183,6 +183,8 @@ def kernel_library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use (about two seconds); None where this
     CPU lacks AVX2/FMA or no C compiler is installed (logged once)."""
     global _library, _tried
+    if _tried:  # every matmul asks: no lock once settled
+        return _library
     with _lock:
         if not _tried:
             _tried = True
