@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.model import kernels
 from workers.model.attention import (
     AttentionMetadata,
     PagedAttention,
@@ -25,59 +27,136 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
     return out.transpose(0, 1).reshape(n, -1)
 
 
-def _slots(table: list[int], start: int, stop: int) -> torch.Tensor:
-    pos = torch.arange(start, stop)
-    return torch.tensor(table)[pos // BLOCK] * BLOCK + pos % BLOCK
-
-
 def test_decode_cache_rows_are_head_major_then_sequence_then_block():
     tables = torch.tensor([[3, 1], [0, 0]])
     rows = decode_cache_rows(tables, num_kv_heads=2, num_blocks=10)
     assert rows.tolist() == [3, 1, 0, 0, 13, 11, 10, 10]
 
 
-def test_a_mixed_step_matches_attention_over_contiguous_context():
+def _mixed_step(attn: PagedAttention, block: int, num_blocks: int, gen: torch.Generator):
+    """Runs a step of three decoding sequences and one prefill chunk after a cached
+    prefix through `attn`; returns (output, expected) with the expected output from
+    plain attention over each sequence's contiguous K/V."""
+    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    shape = (kv_heads, num_blocks * block, dim)
+    attn.bind_cache(torch.zeros(shape), torch.zeros(shape))
+    # Scattered, out-of-order block tables; contexts ending mid-block and on a boundary.
+    per_seq = [3, 1, 2, 4]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [order[sum(per_seq[:i]) : sum(per_seq[: i + 1])] for i in range(4)]
+    lengths = [2 * block + 2, block, 2 * block, 3 * block + 1]  # this step's token included
+    chunk_len = block + 1  # the last sequence is prefilled by a chunk after a cached prefix
+
+    def slots(table: list[int], start: int, stop: int) -> torch.Tensor:
+        pos = torch.arange(start, stop)
+        return torch.tensor(table)[pos // block] * block + pos % block
+
+    k_all = [torch.randn(n, kv_heads, dim, generator=gen) for n in lengths]
+    v_all = [torch.randn(n, kv_heads, dim, generator=gen) for n in lengths]
+    cached = [n - 1 for n in lengths[:3]] + [lengths[3] - chunk_len]
+    for table, n, k, v in zip(tables, cached, k_all, v_all, strict=True):
+        attn.k_cache.index_copy_(1, slots(table, 0, n), k[:n].transpose(0, 1))
+        attn.v_cache.index_copy_(1, slots(table, 0, n), v[:n].transpose(0, 1))
+
+    new = [1, 1, 1, chunk_len]
+    q = torch.randn(sum(new), heads, dim, generator=gen)
+    k = torch.cat([ka[c:] for ka, c in zip(k_all, cached, strict=True)])
+    v = torch.cat([va[c:] for va, c in zip(v_all, cached, strict=True)])
+    max_blocks = max(-(-n // block) for n in lengths[:3])
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(
+            [slots(t, c, n) for t, c, n in zip(tables, cached, lengths, strict=True)]
+        ),
+        block_size=block,
+        num_decode=3,
+        decode_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:3]]),
+        decode_lengths=torch.tensor(lengths[:3]),
+        prefills=[PrefillChunk.with_context(3, chunk_len, slots(tables[3], 0, lengths[3]))],
+    )
+    out = attn(q, k, v, meta)
+    expected = torch.cat(
+        [
+            _reference(q[start : start + new[i]], k_all[i], v_all[i], causal=True)
+            for i, start in enumerate([0, 1, 2, 3])
+        ]
+    )
+    return out, expected
+
+
+needs_kernels = pytest.mark.skipif(kernels.library() is None, reason="needs Baton's CPU kernels")
+
+
+@pytest.mark.parametrize("path", ["kernel", "gathered"])
+def test_a_mixed_step_matches_attention_over_contiguous_context(path):
+    if path == "kernel" and kernels.library() is None:
+        pytest.skip("needs Baton's CPU kernels")
+    attn = PagedAttention(HEADS, KV_HEADS, DIM)
     gen = torch.Generator().manual_seed(0)
+    original_bind = attn.bind_cache
+
+    def bind(k, v):
+        original_bind(k, v)
+        if path == "gathered":
+            attn._kernel = None
+
+    attn.bind_cache = bind
+    out, expected = _mixed_step(attn, BLOCK, NUM_BLOCKS, gen)
+    assert (attn._kernel is not None) == (path == "kernel")
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block"),
+    [
+        (9, 3, 64, 16),  # SmolLM2's heads
+        (4, 4, 128, 16),  # plain multi-head attention, the other compiled head dim
+        (16, 1, 40, 48),  # multi-query, a generic head dim, blocks over 32 keys
+    ],
+)
+def test_the_kernel_takes_common_model_shapes(heads, kv_heads, dim, block):
+    attn = PagedAttention(heads, kv_heads, dim)
+    out, expected = _mixed_step(attn, block, 12, torch.Generator().manual_seed(heads))
+    assert attn._kernel is not None
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_a_head_dim_the_kernel_does_not_take_falls_back_to_sdpa():
+    attn = PagedAttention(4, 2, 12)
+    out, expected = _mixed_step(attn, BLOCK, NUM_BLOCKS, torch.Generator().manual_seed(1))
+    assert attn._kernel is None
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_the_kernel_gives_the_same_result_on_any_thread_count():
+    gen = torch.Generator().manual_seed(2)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            attn = PagedAttention(HEADS, KV_HEADS, DIM)
+            outs.append(_mixed_step(attn, BLOCK, NUM_BLOCKS, gen.manual_seed(2))[0])
+    finally:
+        torch.set_num_threads(before)
+    # The three decode rows: each (sequence, KV head) is one thread's work either way.
+    torch.testing.assert_close(outs[0][:3], outs[1][:3], rtol=0, atol=0)
+
+
+@needs_kernels
+def test_the_kernel_refuses_a_block_id_outside_the_cache():
     attn = PagedAttention(HEADS, KV_HEADS, DIM)
     shape = (KV_HEADS, NUM_BLOCKS * BLOCK, DIM)
     attn.bind_cache(torch.zeros(shape), torch.zeros(shape))
-    # Scattered, out-of-order block tables; contexts ending mid-block and on a boundary.
-    tables = [[9, 2, 14], [5], [7, 0], [11, 3, 12, 6]]
-    lengths = [10, 4, 8, 13]  # context after this step, the step's own token included
-    chunk_len = 5  # the last sequence is prefilled by a chunk after a cached prefix
-
-    k_all = [torch.randn(n, KV_HEADS, DIM, generator=gen) for n in lengths]
-    v_all = [torch.randn(n, KV_HEADS, DIM, generator=gen) for n in lengths]
-    cached = [n - 1 for n in lengths[:3]] + [lengths[3] - chunk_len]
-    for table, n, k, v in zip(tables, cached, k_all, v_all, strict=True):
-        slots = _slots(table, 0, n)
-        attn.k_cache.index_copy_(1, slots, k[:n].transpose(0, 1))
-        attn.v_cache.index_copy_(1, slots, v[:n].transpose(0, 1))
-
-    # Three decoding sequences then one prefill chunk, flattened as the runner does.
-    new = [1, 1, 1, chunk_len]
-    q = torch.randn(sum(new), HEADS, DIM, generator=gen)
-    k = torch.cat([ka[c:] for ka, c in zip(k_all, cached, strict=True)])
-    v = torch.cat([va[c:] for va, c in zip(v_all, cached, strict=True)])
-    max_blocks = max(-(-n // BLOCK) for n in lengths[:3])
-    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:3]])
-    bias = torch.zeros(3, max_blocks * BLOCK)
-    bias.masked_fill_(
-        torch.arange(max_blocks * BLOCK) >= torch.tensor(lengths[:3])[:, None], -torch.inf
-    )
     meta = AttentionMetadata(
-        slot_mapping=torch.cat(
-            [_slots(t, c, n) for t, c, n in zip(tables, cached, lengths, strict=True)]
-        ),
+        slot_mapping=torch.tensor([1]),
         block_size=BLOCK,
-        num_decode=3,
-        decode_rows=decode_cache_rows(padded, KV_HEADS, NUM_BLOCKS),
-        decode_bias=bias,
-        prefills=[PrefillChunk.with_context(3, chunk_len, _slots(tables[3], 0, lengths[3]))],
+        num_decode=1,
+        decode_tables=torch.tensor([[NUM_BLOCKS]]),
+        decode_lengths=torch.tensor([2]),
     )
-    out = attn(q, k, v, meta)
-
-    for i, start in enumerate([0, 1, 2, 3]):
-        rows = slice(start, start + new[i])
-        expected = _reference(q[rows], k_all[i], v_all[i], causal=True)
-        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+    q, kv = torch.randn(1, HEADS, DIM), torch.randn(1, KV_HEADS, DIM)
+    with pytest.raises(RuntimeError, match="block tables or lengths"):
+        attn(q, kv, kv, meta)

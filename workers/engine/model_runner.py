@@ -13,7 +13,7 @@ import torch
 
 from workers.engine import kv_transfer, kv_transport
 from workers.engine.kv_transport import KVPart
-from workers.model.attention import AttentionMetadata, PrefillChunk, decode_cache_rows
+from workers.model.attention import AttentionMetadata, PrefillChunk
 from workers.model.loader import load_model
 from workers.model.parallel import TPGroup
 
@@ -78,8 +78,6 @@ class ModelRunner:
             v = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.bind_cache(k, v)
             self.kv_caches.append((k, v))
-        # This rank's KV heads: every layer has the same.
-        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRunner:
@@ -113,17 +111,15 @@ class ModelRunner:
                 token_ids.append(c.token_ids[0])
                 positions.append(c.start_pos)
                 last_row[i] = row
-            tables, bias = self._decode_context(chunks)
+            tables, lengths = self._decode_context(chunks)
             pos = torch.tensor(positions)
             rows = torch.arange(len(chunks))
             slot_mapping.append(
                 tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
             )
             meta.num_decode = len(chunks)
-            meta.decode_rows = decode_cache_rows(
-                tables.to(self.device), self.num_kv_heads, self.num_blocks
-            )
-            meta.decode_bias = bias.to(self.device, self.dtype)
+            meta.decode_tables = tables.to(self.device)
+            meta.decode_lengths = lengths.to(self.device)
 
         for i in prefills:
             c = step.chunks[i]
@@ -193,15 +189,11 @@ class ModelRunner:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _decode_context(self, decodes: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables [B, max_blocks] (padded with block 0) and the additive mask
-        [B, max_blocks * block_size] hiding positions past each context."""
+        """Block tables [B, max_blocks] (padded with block 0) and context lengths [B]."""
         lengths = torch.tensor([c.start_pos + 1 for c in decodes])
         max_blocks = -(-int(lengths.max()) // self.block_size)
         tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for row, c in enumerate(decodes):
             used = c.block_table[:max_blocks]
             tables[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        pos = torch.arange(max_blocks * self.block_size)
-        bias = torch.zeros(len(decodes), pos.numel())
-        bias.masked_fill_(pos.unsqueeze(0) >= lengths.unsqueeze(1), float("-inf"))
-        return tables, bias
+        return tables, lengths

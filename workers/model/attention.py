@@ -1,9 +1,11 @@
 """Attention over a paged KV cache.
 
 The cache of one layer is two tensors `[kv_heads, num_slots, head_dim]`; slot
-`block_id * block_size + offset` holds one token. Keeping the head dimension
-first makes a gathered context `[kv_heads, batch, length, head_dim]` contiguous,
-which is what lets one SDPA call serve a whole decode batch with grouped heads.
+`block_id * block_size + offset` holds one token. A float32 cache on the CPU is
+read in place by Baton's decode kernel (csrc/paged_attention.c). Elsewhere the
+head-first layout makes a gathered context `[kv_heads, batch, length, head_dim]`
+contiguous, which is what lets one SDPA call serve a whole decode batch with
+grouped heads.
 
 A step's tokens come flattened: first one token per decoding sequence, then the
 chunks of sequences being prefilled.
@@ -16,6 +18,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from workers.model import kernels
+
+# What csrc/paged_attention.c answers for a head dim or group size it does not take.
+_UNSUPPORTED_SHAPE = -1
 
 
 @dataclass
@@ -45,12 +52,28 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot written by each new token
     block_size: int = 16
     num_decode: int = 0
-    # The decoding sequences' context as rows of a layer's cache viewed as
-    # [kv_heads * num_blocks, block_size * head_dim] (see `decode_cache_rows`), and the
-    # additive mask [num_decode, max_blocks * block_size]: 0 for context, -inf for padding.
-    decode_rows: torch.Tensor | None = None
-    decode_bias: torch.Tensor | None = None
+    # The decoding sequences' block tables [num_decode, max_blocks] (padded with block 0)
+    # and context lengths [num_decode], this step's token included.
+    decode_tables: torch.Tensor | None = None
+    decode_lengths: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    _gather: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def decode_gather(
+        self, num_kv_heads: int, num_blocks: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For attention by gathering (no kernel): the decoding context as rows of a
+        layer's cache viewed as [kv_heads * num_blocks, block_size * head_dim] (see
+        `decode_cache_rows`), and the additive mask [num_decode, max_blocks *
+        block_size], 0 for context and -inf for padding. Made once for all layers."""
+        if self._gather is None:
+            assert self.decode_tables is not None and self.decode_lengths is not None
+            tables = self.decode_tables
+            pos = torch.arange(tables.shape[1] * self.block_size, device=tables.device)
+            bias = torch.zeros(tables.shape[0], pos.numel(), dtype=dtype, device=tables.device)
+            bias.masked_fill_(pos >= self.decode_lengths[:, None], float("-inf"))
+            self._gather = decode_cache_rows(tables, num_kv_heads, num_blocks), bias
+        return self._gather
 
 
 def decode_cache_rows(
@@ -71,9 +94,12 @@ class PagedAttention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self._kernel = None  # Baton's CPU kernels, for a float32 cache on the CPU
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
+        on_cpu = k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
+        self._kernel = kernels.library() if on_cpu else None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -97,21 +123,64 @@ class PagedAttention(nn.Module):
         return out.view(tokens, -1)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        assert meta.decode_rows is not None and meta.decode_bias is not None
-        batch, length = meta.decode_bias.shape
+        """q [B, Hq, D] -> [B, Hq, D]."""
+        if self._kernel is not None:
+            out = self._decode_kernel(q, meta)
+            if out is not None:
+                return out
+        return self._decode_gathered(q, meta)
+
+    def _decode_kernel(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Through csrc/paged_attention.c: each sequence's K/V read in place, through its
+        block table, once for its whole group of query heads. None for a shape the
+        kernel does not take (head dim not a multiple of 8 or over 256, groups over 16),
+        which then stays with SDPA."""
+        tables, lengths = meta.decode_tables, meta.decode_lengths
+        assert tables is not None and lengths is not None
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        status = self._kernel.baton_paged_decode_attention(
+            q.data_ptr(),
+            self.k_cache.data_ptr(),
+            self.v_cache.data_ptr(),
+            self.k_cache.shape[1],
+            tables.data_ptr(),
+            tables.shape[1],
+            lengths.data_ptr(),
+            q.shape[0],
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            meta.block_size,
+            self.head_dim**-0.5,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status == _UNSUPPORTED_SHAPE:
+            self._kernel = None
+            return None
+        if status != 0:
+            raise RuntimeError(
+                f"paged decode attention refused its block tables or lengths (status {status})"
+            )
+        return out
+
+    def _decode_gathered(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_blocks = self.k_cache.shape[1] // meta.block_size
+        rows, bias = meta.decode_gather(self.num_kv_heads, num_blocks, self.k_cache.dtype)
+        batch, length = bias.shape
         # Whole blocks (block_size * head_dim contiguous floats) gathered as rows of a 2-D
         # view: measured 2-3x faster than gathering along the slot axis of the 3-D cache,
         # and many times faster than gathering slot by slot.
-        rows = (-1, meta.block_size * self.head_dim)
-        k = self.k_cache.view(rows).index_select(0, meta.decode_rows)
-        v = self.v_cache.view(rows).index_select(0, meta.decode_rows)
+        view = (-1, meta.block_size * self.head_dim)
+        k = self.k_cache.view(view).index_select(0, rows)
+        v = self.v_cache.view(view).index_select(0, rows)
         k = k.view(self.num_kv_heads, batch, length, -1)
         v = v.view(self.num_kv_heads, batch, length, -1)
         # SDPA's (batch, heads, query) axes carry (kv head, sequence, query head of
         # the group), so each group of query heads meets its own KV head.
         q = q.view(batch, self.num_kv_heads, self.group, -1).transpose(0, 1)
-        bias = meta.decode_bias.view(1, batch, 1, length)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.view(1, batch, 1, length))
         return out.transpose(0, 1).reshape(batch, self.num_heads, -1)
 
     def _prefill(

@@ -5,30 +5,22 @@ beside its float32 weights. Decoding a few sequences streams every weight once p
 step, so its speed is memory bandwidth: float32 weights cost 4 bytes each, Q4_1 0.625
 and Q8_0 1.06. `csrc/block_matmul.c` reads the blocks and multiplies in float32 in
 registers, which is the same arithmetic as on the dequantized weights up to rounding
-order (the blocks *are* the model: the float32 copy was made from them). Larger
-batches are compute-bound and stay with oneDNN's float32 kernel (`MAX_ROWS`).
+order (the blocks *are* the model: the float32 copy was made from them). Batches of
+9-32 rows are compute-bound; the kernel then dequantizes a few weight rows at a time
+into cache and runs an outer-product micro-kernel over all rows at once, which beats
+oneDNN's float32 GEMM there. Prefill-sized batches stay with oneDNN (`MAX_ROWS`).
 
-The kernel is C with AVX2/FMA intrinsics, compiled once per machine with the system's
-C compiler into Baton's cache; without a compiler or AVX2 the model runs on its
-float32 weights alone, as every non-GGUF model does.
+The kernel is one of Baton's CPU kernels (kernels.py); without a compiler or AVX2 the
+model runs on its float32 weights alone, as every non-GGUF model does.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from workers.model import kernels
 
 BLOCK_SIZE = 32
 # Where a converted folder keeps its blocks: in a folder of its own, so that loaders
@@ -41,13 +33,10 @@ WEIGHTS_DIGEST_KEY = "weights_digest"
 QS_BYTES = {"q4_1": 16, "q8_0": 32}
 _KIND_IDS = {"q4_1": 0, "q8_0": 1}
 # Rows up to which the block kernel beats oneDNN's float32 one, measured over a whole
-# model's weights (not cached) on a 2-core AVX2 EPYC, 2 threads: Q4_1 projections
-# 8.9 / 35 ms at 1 row, 33 / 42 at 8, 62 / 54 at 16; the Q8_0 LM head 3.9 / 7.6 ms at
-# 1 row, 16 / 30 at 16, 31 / 37 at 32.
-MAX_ROWS = {"q4_1": 8, "q8_0": 32}
-
-_SOURCE = Path(__file__).parent / "csrc" / "block_matmul.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+# model's weights (not cached) on a 2-core AVX2 EPYC, 2 threads. Q4_1 projections,
+# blocks / fp32: 8.9 / 35 ms at 1 row, 45 / 60 at 16, 71 / 95 at 32, 114 / 127 at 64,
+# 268 / 193 at 96; the Q8_0 LM head 3.9 / 7.6 ms at 1 row, 14 / 18 at 32, 35 / 34 at 64.
+MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -76,10 +65,6 @@ class WeightBlocks:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
-
-    @property
-    def max_rows(self) -> int:
-        return MAX_ROWS[self.kind]
 
     def padded_rows(self, rows: int) -> WeightBlocks:
         """With zero rows (zero weights) appended up to `rows`."""
@@ -114,9 +99,9 @@ class WeightBlocks:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 @ weight.T -> [M, N]."""
-        lib = kernel_library()
+        lib = kernels.library()
         if lib is None:
-            raise RuntimeError("the block matmul kernel is not built (see kernel_library)")
+            raise RuntimeError("Baton's CPU kernels are not built (see kernels.library)")
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.shape[1]:
             raise RuntimeError(f"block matmul takes float32 [M, {self.shape[1]}], got {x.shape}")
         x = x.contiguous()
@@ -172,69 +157,3 @@ class BlockSource:
         return WeightBlocks(
             self.kind, part("qs", b0 * size, b1 * size), part("scale", b0, b1), mins
         )
-
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_tried = False
-
-
-def kernel_library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use (about two seconds); None where this
-    CPU lacks AVX2/FMA or no C compiler is installed (logged once)."""
-    global _library, _tried
-    if _tried:  # every matmul asks: no lock once settled
-        return _library
-    with _lock:
-        if not _tried:
-            _tried = True
-            _library = _load()
-        return _library
-
-
-def _load() -> ctypes.CDLL | None:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.info("no AVX2 on this CPU: GGUF blocks unused, float32 weights only")
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler (cc, gcc) found: GGUF blocks unused, decoding runs slower")
-        return None
-    try:
-        path = _build(compiler)
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("could not build the block matmul kernel with %s: %s", compiler, detail)
-        return None
-    lib = ctypes.CDLL(str(path))
-    fn = lib.baton_block_matmul
-    fn.restype = ctypes.c_int
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
-    return lib
-
-
-def _build(compiler: str) -> Path:
-    """Compiles the kernel into the cache once per source, flags and compiler; a
-    finished file is renamed into place, so concurrent builders never see half of one."""
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + version.encode()).hexdigest()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    cache = Path(base) / "baton" / "kernels"
-    target = cache / f"block_matmul-{key[:16]}.so"
-    if target.is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".block_matmul-", suffix=".so", dir=cache)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True, text=True
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built the block matmul kernel: %s", target)
-    return target

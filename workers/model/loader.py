@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from workers.model import kernels
 from workers.model.block_matmul import (
     BLOCKS_FILE,
     WEIGHTS_DIGEST_KEY,
     BlockSource,
-    kernel_library,
 )
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaForCausalLM
@@ -127,7 +127,7 @@ def load_blocks(model: LlamaForCausalLM, model_dir: Path) -> None:
     has them and this machine runs the kernel. A tied embedding's blocks serve the LM
     head; the embedding lookup itself reads the float32 copy."""
     path = model_dir / BLOCKS_FILE
-    if not path.is_file() or kernel_library() is None:
+    if not path.is_file() or kernels.library() is None:
         return
     if not blocks_match_weights(model_dir):
         logger.warning(

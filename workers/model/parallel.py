@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model.block_matmul import BLOCK_SIZE, BlockSource, WeightBlocks, kernel_library
+from workers.model import kernels
+from workers.model.block_matmul import BLOCK_SIZE, MAX_ROWS, BlockSource, WeightBlocks
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,11 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None
     weight_t: torch.Tensor | None = None
     # The GGUF's own blocks of this weight (block_matmul.py), for batches of up to
-    # `blocks.max_rows` rows; they replace the transposed one-row copy.
+    # `MAX_ROWS` rows; they replace the transposed one-row copy.
     blocks: WeightBlocks | None = None
 
     def pack(self) -> None:
-        if self.blocks is not None and kernel_library() is None:
+        if self.blocks is not None and kernels.library() is None:
             self.blocks = None
         if self.blocks is not None and self.blocks.shape != tuple(self.weight.shape):
             raise ValueError(
@@ -125,7 +126,7 @@ class PackableLinear(nn.Module):
         self.weight = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.blocks is not None and x.shape[0] <= self.blocks.max_rows:
+        if self.blocks is not None and x.shape[0] <= MAX_ROWS:
             out = self.blocks.matmul(x)
             return out if bias is None else out + bias
         if self.packed is None:

@@ -95,12 +95,134 @@ static void chunk(int kind, const float *x, int64_t M, int64_t K, const uint8_t 
   }
 }
 
+/* Batches over MAX_ROWS rows are compute-bound, and weight-row-at-a-time dot products
+ * would unpack every block once per MAX_ROWS rows. Instead a few weight rows at a time
+ * are dequantized into a small float32 buffer and multiplied into every row of x at
+ * once: x is held transposed, [K][padded M], so one vector carries 8 of its rows and
+ * each weight is broadcast against them (an outer-product micro-kernel, as in BLAS). */
+#define KC 128  /* columns per slice: a slice of transposed x (KC x 32 floats) stays in L1 */
+#define NC 48   /* weight rows per task */
+#define NR 3    /* weight rows per micro-kernel: 3 x 4 accumulators + 4 weights fit 16 ymm */
+
+/* w[r][0:kn] = the dequantized weight rows n0 + r, columns [k0, k0 + kn), r < nr.
+ * Multiply then add, never fused, so the values equal the float32 copy made from the
+ * blocks by gguf-py (the build passes -ffp-contract=off). */
+static inline __attribute__((always_inline)) void dequantize_rows(
+    int kind, const uint8_t *qs, const float *scale, const float *min, int64_t nb, int64_t n0,
+    int nr, int64_t k0, int64_t kn, float *w) {
+  const int64_t block_bytes = kind == Q4_1 ? BLOCK / 2 : BLOCK;
+  for (int r = 0; r < nr; ++r) {
+    for (int64_t k = 0; k < kn; k += BLOCK) {
+      const int64_t i = (n0 + r) * nb + (k0 + k) / BLOCK;
+      __m256 q[4];
+      unpack(kind, qs + i * block_bytes, q);
+      const __m256 s = _mm256_set1_ps(scale[i]);
+      const __m256 m = kind == Q4_1 ? _mm256_set1_ps(min[i]) : _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        __m256 v = _mm256_mul_ps(q[j], s);
+        if (kind == Q4_1) v = _mm256_add_ps(v, m);
+        _mm256_storeu_ps(w + r * KC + k + 8 * j, v);
+      }
+    }
+  }
+}
+
+/* acc[r][0:8 NV] (+)= sum_k w[r][k] * xt[k][0:8 NV] for r < R, k < kn, accumulating into
+ * yt [R][mp] (rows of y transposed); the first slice starts from zero. */
+static inline __attribute__((always_inline)) void outer_product(
+    const int NV, const int R, const float *xt, int64_t mp, const float *w, int64_t kn,
+    float *yt, int first) {
+  __m256 acc[NR][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(yt + r * mp + 8 * v);
+  for (int64_t k = 0; k < kn; ++k) {
+    __m256 b[NR];
+    for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(w + r * KC + k);
+    for (int v = 0; v < NV; ++v) {
+      const __m256 xv = _mm256_loadu_ps(xt + k * mp + 8 * v);
+      for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(b[r], xv, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(yt + r * mp + 8 * v, acc[r][v]);
+}
+
+/* Rows [0, 8 nv) of transposed x against weight rows [n0, n0 + nr). */
+static void outer_product_any(int nv, int nr, const float *xt, int64_t mp, const float *w,
+                              int64_t kn, float *yt, int first) {
+  /* Constant shapes let the compiler keep the accumulators in registers. */
+#define CASE(V, R) \
+  if (nv == V && nr == R) return outer_product(V, R, xt, mp, w, kn, yt, first);
+  CASE(4, 3) CASE(4, 2) CASE(4, 1) CASE(3, 3) CASE(3, 2) CASE(3, 1)
+  CASE(2, 3) CASE(2, 2) CASE(2, 1) CASE(1, 3) CASE(1, 2) CASE(1, 1)
+#undef CASE
+}
+
+/* Weight rows [n0, n1) against all M rows of x (transposed and padded: xt [K][mp]). */
+static void panel_chunk(int kind, const float *xt, int64_t M, int64_t mp, int64_t K,
+                        const uint8_t *qs, const float *scale, const float *min, float *y,
+                        int64_t N, int64_t n0, int64_t n1, float *w, float *yt) {
+  const int64_t nb = K / BLOCK;
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kn = K - k0 < KC ? K - k0 : KC;
+    for (int64_t n = n0; n < n1; n += NR) {
+      const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+      dequantize_rows(kind, qs, scale, min, nb, n, nr, k0, kn, w);
+      for (int64_t m0 = 0; m0 < mp; m0 += 32) {
+        const int nv = mp - m0 < 32 ? (int)(mp - m0) / 8 : 4;
+        outer_product_any(nv, nr, xt + k0 * mp + m0, mp, w, kn, yt + (n - n0) * mp + m0,
+                          k0 == 0);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) y[m * N + n] = yt[(n - n0) * mp + m];
+}
+
+static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                        const float *scale, const float *min, float *y, int64_t N,
+                        int num_threads) {
+  const int64_t mp = (M + 7) / 8 * 8;
+  float *xt = calloc((size_t)(K * mp), sizeof(float));
+  if (xt == NULL) return -1;
+  const int64_t chunks = (N + NC - 1) / NC;
+  int status = 0;
+#pragma omp parallel num_threads(num_threads)
+  {
+    float *w = malloc(sizeof(float) * NR * KC);
+    float *yt = malloc(sizeof(float) * (size_t)(NC * mp));
+    if (w == NULL || yt == NULL) {
+#pragma omp atomic write
+      status = -1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t k0 = 0; k0 < K; k0 += BLOCK)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = k0; k < k0 + BLOCK; ++k) xt[k * mp + m] = x[m * K + k];
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (w == NULL || yt == NULL) continue;
+      const int64_t n0 = c * NC, n1 = n0 + NC < N ? n0 + NC : N;
+      if (kind == Q4_1)
+        panel_chunk(Q4_1, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+      else
+        panel_chunk(Q8_0, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+    }
+    free(w);
+    free(yt);
+  }
+  free(xt);
+  return status;
+}
+
 /* kind: Q4_1 or Q8_0; min is ignored (may be NULL) for Q8_0. Returns 0, or -1 when
  * K is not a whole number of blocks or scratch memory ran out. */
 int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                        const float *scale, const float *min, float *y, int64_t N,
                        int num_threads) {
   if (K % BLOCK != 0 || (kind != Q4_1 && kind != Q8_0)) return -1;
+  if (M > MAX_ROWS) return panel_matmul(kind, x, M, K, qs, scale, min, y, N, num_threads);
   const int64_t nb = K / BLOCK;
   float *block_sums = NULL;
   if (kind == Q4_1) {

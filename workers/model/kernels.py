@@ -1,0 +1,108 @@
+"""Baton's own CPU kernels (`csrc/*.c`): built once per machine, called through ctypes.
+
+- `baton_block_matmul`: small-batch matmuls from GGUF blocks (block_matmul.py);
+- `baton_paged_decode_attention`: decode attention read through block tables
+  (attention.py).
+
+They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
+into Baton's cache (about three seconds, no torch headers or ninja). OpenMP resolves to
+the libgomp torch already loaded, so the kernels share torch's thread pool, and ctypes
+releases the GIL while they run. Without a compiler or AVX2, `library()` is None and
+the model runs on torch's own operators, as on every other device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+# No contraction of a * b + c into one FMA where the C says otherwise: dequantized
+# weights must equal the float32 copy gguf-py made, bit for bit.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+
+_ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# Exported function -> argument types; every one returns an int status (0: done).
+_PROTOTYPES = {
+    "baton_block_matmul": [_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _int],
+    "baton_paged_decode_attention": [
+        *(_ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64),
+        *(_int, _int, _int, _int, ctypes.c_float, _ptr, _int),
+    ],
+}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None where this CPU lacks AVX2/FMA or
+    no C compiler is installed (logged once)."""
+    global _library, _tried
+    if _tried:  # every small matmul and attention call asks: no lock once settled
+        return _library
+    with _lock:
+        if not _tried:
+            _tried = True
+            _library = _load()
+        return _library
+
+
+def _load() -> ctypes.CDLL | None:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.info("no AVX2 on this CPU: Baton's CPU kernels unused, torch operators only")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler (cc, gcc): Baton's CPU kernels unused, decoding runs slower")
+        return None
+    try:
+        path = _build(compiler)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("could not build Baton's CPU kernels with %s: %s", compiler, detail)
+        return None
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in _PROTOTYPES.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
+    return lib
+
+
+def _build(compiler: str) -> Path:
+    """Compiles the kernels into the cache once per sources, flags and compiler; a
+    finished file is renamed into place, so concurrent builders never see half of one."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(" ".join(_FLAGS).encode() + version.encode())
+    for source in _SOURCES:
+        digest.update(source.name.encode() + source.read_bytes())
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    cache = Path(base) / "baton" / "kernels"
+    target = cache / f"baton_kernels-{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".baton_kernels-", suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        command = [compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built Baton's CPU kernels: %s", target)
+    return target
