@@ -90,3 +90,23 @@ def test_model_identity_tells_same_named_checkpoints_apart(tmp_path):
     assert model_identity(a).startswith("same-name-")
     assert model_identity(a) != model_identity(b)
     assert model_identity(a) == model_identity(a_again)
+
+
+@pytest.mark.parametrize("dim", [64, 60])  # 60: not whole vectors, so torch's rms_norm
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_adds_the_residual_and_normalizes_as_torch_does(dim, with_residual):
+    from workers.model.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, 1e-5, torch.float32)
+    norm.weight.copy_(torch.randn(dim, generator=gen))
+    x, residual = torch.randn(2, 7, dim, generator=gen), torch.randn(2, 7, dim, generator=gen)
+    summed = x + residual if with_residual else x
+    expected = torch.nn.functional.rms_norm(summed, (dim,), norm.weight, 1e-5)
+    if with_residual:
+        out, stream = norm(x, residual)
+        assert torch.equal(stream, summed)
+    else:
+        out = norm(x)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import kernels
 from workers.model.attention import AttentionMetadata, PagedAttention
 from workers.model.config import ModelConfig
 from workers.model.parallel import (
@@ -32,8 +33,36 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rms_norm(x); given the residual stream, (rms_norm(x + residual), x + residual):
+        the add and the norm are one pass of Baton's CPU kernel where it runs."""
+        lib = kernels.library() if _kernel_fits(x) and x.shape[-1] % 8 == 0 else None
+        if lib is None:
+            if residual is None:
+                return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            summed = x + residual
+            return F.rms_norm(summed, (x.shape[-1],), self.weight, self.eps), summed
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        summed = None if residual is None else torch.empty_like(x)
+        status = lib.baton_rms_norm(
+            x.data_ptr(),
+            None if residual is None else residual.contiguous().data_ptr(),
+            self.weight.data_ptr(),
+            x.numel() // x.shape[-1],
+            x.shape[-1],
+            self.eps,
+            out.data_ptr(),
+            None if summed is None else summed.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"rms_norm kernel refused rows of {x.shape[-1]} (status {status})")
+        return out if summed is None else (out, summed)
+
+
+def _kernel_fits(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32
 
 
 class Attention(nn.Module):
@@ -94,9 +123,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, tp, dtype)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeTables,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): each layer's output
+        joins the stream in the next norm, so the add rides along with the norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -114,11 +155,11 @@ class LlamaModel(nn.Module):
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = self.embed_tokens(token_ids)
+        x, residual = self.embed_tokens(token_ids), None
         rope = self.rotary.tables(positions)
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
