@@ -3,7 +3,8 @@
 - `baton_block_matmul`: small-batch matmuls from GGUF blocks (block_matmul.py);
 - `baton_paged_decode_attention`: decode attention read through block tables
   (attention.py);
-- `baton_rms_norm`: RMSNorm with the residual add, in one pass (llama.py).
+- `baton_rms_norm`: RMSNorm with the residual add, in one pass (llama.py);
+- `baton_rope`: rotary embeddings of a step's query and key heads (rope.py).
 
 They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
 into Baton's cache (about three seconds, no torch headers or ninja). OpenMP resolves to
@@ -42,6 +43,7 @@ _PROTOTYPES = {
         *(_int, _int, _int, _int, ctypes.c_float, _ptr, _int),
     ],
     "baton_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _int],
+    "baton_rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
 }
 
 _lock = threading.Lock()

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from workers.model import kernels
 from workers.model.config import RopeScaling
 
 
@@ -33,7 +34,7 @@ class RotaryEmbedding(nn.Module):
 
     Rotating the half-split pair (x1, x2) is x * cos + swap(x) * sin with
     swap(x) = (x2, x1) and sin signed (-sin, +sin), so a step needs one gather
-    of the tables and three tensor ops, shared by all layers.
+    of the tables, shared by all layers, and one pass per layer (`apply_rope`).
     """
 
     def __init__(
@@ -57,7 +58,30 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] -> rotated copy."""
-    half = x.shape[-1] // 2
+    """x: [T, heads, head_dim] (rows may be strided, as views of a fused QKV output are)
+    -> rotated copy. One pass of Baton's CPU kernel where it runs, else torch ops; the
+    two give the same floats, those of transformers' `q * cos + rotate_half(q) * sin`."""
+    tokens, heads, dim = x.shape
+    lib = kernels.library() if _kernel_fits(x, cos, sin) else None
+    if lib is not None:
+        out = torch.empty(x.shape, dtype=x.dtype)
+        args = (x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim, out.data_ptr())
+        if lib.baton_rope(x.data_ptr(), *args, torch.get_num_threads()) != 0:
+            raise RuntimeError(f"rope kernel refused head dim {dim}")
+        return out
+    half = dim // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, sin)
+    # Not addcmul: it fuses the multiply-add and rounds differently from transformers.
+    return x * cos + swapped * sin
+
+
+def _kernel_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    tables = all(t.is_contiguous() and t.shape == (x.shape[0], 1, x.shape[2]) for t in (cos, sin))
+    return (
+        x.device.type == "cpu"
+        and x.dtype == cos.dtype == sin.dtype == torch.float32
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and x.shape[2] % 16 == 0
+        and tables
+    )
