@@ -57,7 +57,7 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
-    _gather: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _gather: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def decode_gather(
         self, num_kv_heads: int, num_blocks: int, dtype: torch.dtype

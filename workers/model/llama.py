@@ -36,18 +36,21 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rms_norm(x); given the residual stream, (rms_norm(x + residual), x + residual):
         the add and the norm are one pass of Baton's CPU kernel where it runs."""
-        lib = kernels.library() if _kernel_fits(x) and x.shape[-1] % 8 == 0 else None
+        fits = x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] % 8 == 0
+        lib = kernels.library() if fits else None
         if lib is None:
             if residual is None:
                 return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
             summed = x + residual
             return F.rms_norm(summed, (x.shape[-1],), self.weight, self.eps), summed
+        # Bound to names: a temporary's memory could go before the kernel reads it.
         x = x.contiguous()
+        residual = None if residual is None else residual.contiguous()
         out = torch.empty_like(x)
         summed = None if residual is None else torch.empty_like(x)
         status = lib.baton_rms_norm(
             x.data_ptr(),
-            None if residual is None else residual.contiguous().data_ptr(),
+            None if residual is None else residual.data_ptr(),
             self.weight.data_ptr(),
             x.numel() // x.shape[-1],
             x.shape[-1],
@@ -59,10 +62,6 @@ class RMSNorm(nn.Module):
         if status != 0:
             raise RuntimeError(f"rms_norm kernel refused rows of {x.shape[-1]} (status {status})")
         return out if summed is None else (out, summed)
-
-
-def _kernel_fits(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32
 
 
 class Attention(nn.Module):
