@@ -29,7 +29,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.c"))
+# Headers the sources include: part of the build's identity, not compiled alone.
+_HEADERS = sorted(_CSRC.glob("*.h"))
 # No contraction of a * b + c into one FMA where the C says otherwise: dequantized
 # weights must equal the float32 copy gguf-py made, bit for bit.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
@@ -91,7 +94,7 @@ def _build(compiler: str) -> Path:
     finished file is renamed into place, so concurrent builders never see half of one."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(" ".join(_FLAGS).encode() + version.encode())
-    for source in _SOURCES:
+    for source in [*_SOURCES, *_HEADERS]:
         digest.update(source.name.encode() + source.read_bytes())
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     cache = Path(base) / "baton" / "kernels"

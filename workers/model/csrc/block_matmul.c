@@ -16,18 +16,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 #define BLOCK 32
 #define MAX_ROWS 8    /* rows of x per pass: 4 weight vectors + 8 accumulators fit in 16 ymm */
 #define N_CHUNK 16    /* weight rows one thread takes at a time; they stay in L1 across passes */
 
 enum { Q4_1 = 0, Q8_0 = 1 };
-
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 static inline __attribute__((always_inline)) void unpack(int kind, const uint8_t *p, __m256 q[4]) {
   if (kind == Q4_1) {

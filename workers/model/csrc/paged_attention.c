@@ -16,17 +16,11 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
+
+#include "simd.h"
 
 #define MAX_DIM 256   /* head dims up to this, multiples of 8 */
 #define MAX_GROUP 16  /* query heads per KV head */
-
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 /* The 8 sums of 8 vectors, as one vector. */
 static inline __m256 hsum8x8(const __m256 v[8]) {
@@ -54,7 +48,7 @@ static inline __attribute__((always_inline)) void scores(const float *q, const f
     __m256 acc = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8)
       acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + j * D + d), acc);
-    s[j] = hsum8(acc) * scale;
+    s[j] = hsum(acc) * scale;
   }
 }
 

@@ -12,12 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#include "simd.h"
 
 /* Returns 0, or -1 when D is not a multiple of 8. residual and summed are both NULL or
  * both not. */
