@@ -160,3 +160,36 @@ def test_the_kernel_refuses_a_block_id_outside_the_cache():
     q, kv = torch.randn(1, HEADS, DIM), torch.randn(1, KV_HEADS, DIM)
     with pytest.raises(RuntimeError, match="block tables or lengths"):
         attn(q, kv, kv, meta)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["kernel", "index_copy"])
+def test_new_keys_and_values_land_in_their_slots(path):
+    attn = PagedAttention(HEADS, KV_HEADS, DIM)
+    shape = (KV_HEADS, NUM_BLOCKS * BLOCK, DIM)
+    attn.bind_cache(torch.zeros(shape), torch.zeros(shape))
+    # k and v as the model hands them over: views into one fused QKV row per token.
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (HEADS + 2 * KV_HEADS) * DIM, generator=gen)
+    k = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(5, KV_HEADS, DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * DIM :].view(5, KV_HEADS, DIM)
+    if path == "index_copy":
+        k, v = k.transpose(0, 1).contiguous().transpose(0, 1), v.clone()  # heads apart
+    slots = torch.tensor([7, 0, 63, 12, 13])
+    attn._write_cache(k, v, slots)
+    for t, slot in enumerate(slots.tolist()):
+        assert torch.equal(attn.k_cache[:, slot], k[t]) and torch.equal(attn.v_cache[:, slot], v[t])
+    untouched = torch.ones(NUM_BLOCKS * BLOCK, dtype=torch.bool)
+    untouched[slots] = False
+    assert not attn.k_cache[:, untouched].any() and not attn.v_cache[:, untouched].any()
+
+
+@needs_kernels
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
+    attn = PagedAttention(HEADS, KV_HEADS, DIM)
+    shape = (KV_HEADS, NUM_BLOCKS * BLOCK, DIM)
+    attn.bind_cache(torch.zeros(shape), torch.zeros(shape))
+    kv = torch.randn(2, KV_HEADS, DIM)
+    with pytest.raises(RuntimeError, match="slot is out of range"):
+        attn._write_cache(kv, kv, torch.tensor([3, NUM_BLOCKS * BLOCK]))
+    assert not attn.k_cache.any() and not attn.v_cache.any()

@@ -48,7 +48,7 @@ def test_blocks_dequantize_as_gguf_does(kind):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 31, 32, 33, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 31, 32, 33, 64, 70, 100, 120])
 @pytest.mark.parametrize("columns", [128, 320])
 def test_matmul_equals_float32_on_the_dequantized_weight(kind, rows, columns):
     # 50 weight rows: not a whole number of the row-at-a-time path's 16-row chunks, nor

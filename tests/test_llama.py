@@ -110,3 +110,18 @@ def test_rms_norm_adds_the_residual_and_normalizes_as_torch_does(dim, with_resid
         out = norm(x)
     assert out.shape == x.shape
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32])
+@pytest.mark.parametrize("half", [1536, 24, 12])  # 12: not whole vectors, torch's ops
+def test_silu_mul_is_torchs_swiglu_activation(rows, half):
+    from workers.model.llama import silu_mul
+
+    gen = torch.Generator().manual_seed(rows * half)
+    # Wide enough to reach both ends of the exponential's range.
+    gate_up = torch.randn(rows, 2 * half, generator=gen) * 30
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = silu_mul(gate_up)
+    assert out.shape == (rows, half)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-30)

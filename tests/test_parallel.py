@@ -157,7 +157,7 @@ def test_small_batches_run_on_the_blocks_and_compute_what_float32_does(
         parallel.WeightBlocks, "matmul", lambda self, x: calls.append(len(x)) or real(self, x)
     )
     head = with_blocks.lm_head
-    for rows in (1, 5, 8, 9, 32, 40):
+    for rows in (1, 5, 8, 9, 32, 45, 128, 129):
         hidden = torch.randn(rows, head.blocks.shape[1])
         for name, layer in layers.items():
             if name == "lm_head":
@@ -168,10 +168,12 @@ def test_small_batches_run_on_the_blocks_and_compute_what_float32_does(
         torch.testing.assert_close(
             with_blocks.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5
         )
-    # Every layer, projections and head, takes the blocks up to MAX_ROWS (32) rows:
-    # the kernel's row-at-a-time path to 8, its outer-product path from 9.
-    assert all(calls.count(rows) == len(layers) for rows in (1, 5, 8, 9, 32))
-    assert 40 not in calls
+    # Every layer, projections and head, takes the blocks up to MAX_ROWS (128) rows:
+    # the kernel's row-at-a-time path to 8, its outer-product path from 9, in tiles of
+    # 32 rows past 32.
+    assert parallel.MAX_ROWS == 128
+    assert all(calls.count(rows) == len(layers) for rows in (1, 5, 8, 9, 32, 45, 128))
+    assert 129 not in calls
 
 
 def test_blocks_of_replaced_weights_are_not_used(quantized_dir, tmp_path, caplog):

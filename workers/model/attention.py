@@ -108,8 +108,7 @@ class PagedAttention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("PagedAttention has no KV cache bound; call bind_cache first")
         k_heads, v_heads = k.transpose(0, 1), v.transpose(0, 1)
-        self.k_cache.index_copy_(1, meta.slot_mapping, k_heads)
-        self.v_cache.index_copy_(1, meta.slot_mapping, v_heads)
+        self._write_cache(k, v, meta.slot_mapping)
 
         tokens = q.shape[0]
         if not meta.prefills:  # the common pure-decode step: no scatter into a buffer
@@ -121,6 +120,30 @@ class PagedAttention(nn.Module):
             rows = slice(chunk.start, chunk.start + chunk.length)
             out[rows] = self._prefill(q[rows], k_heads[:, rows], v_heads[:, rows], chunk)
         return out.view(tokens, -1)
+
+    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """cache[:, slots[t]] = k[t] (and v): through the kernel where it runs, which
+        reads k and v in place (each token's heads contiguous) in one call for both."""
+        in_place = all(t.stride(2) == 1 and t.stride(1) == self.head_dim for t in (k, v))
+        if self._kernel is None or not in_place or slots.dtype != torch.int64:
+            self.k_cache.index_copy_(1, slots, k.transpose(0, 1))
+            self.v_cache.index_copy_(1, slots, v.transpose(0, 1))
+            return
+        status = self._kernel.baton_write_kv(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            slots.data_ptr(),
+            slots.numel(),
+            self.num_kv_heads,
+            self.head_dim,
+            self.k_cache.data_ptr(),
+            self.v_cache.data_ptr(),
+            self.k_cache.shape[1],
+        )
+        if status != 0:
+            raise RuntimeError(f"a KV cache slot is out of range (status {status})")
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D]."""

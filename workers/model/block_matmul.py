@@ -6,7 +6,7 @@ step, so its speed is memory bandwidth: float32 weights cost 4 bytes each, Q4_1 
 and Q8_0 1.06. `csrc/block_matmul.c` reads the blocks and multiplies in float32 in
 registers, which is the same arithmetic as on the dequantized weights up to rounding
 order (the blocks *are* the model: the float32 copy was made from them). Batches of
-9-32 rows are compute-bound; the kernel then dequantizes a few weight rows at a time
+over 8 rows are compute-bound; the kernel then dequantizes a few weight rows at a time
 into cache and runs an outer-product micro-kernel over all rows at once, which beats
 oneDNN's float32 GEMM there. Prefill-sized batches stay with oneDNN (`MAX_ROWS`).
 
@@ -33,10 +33,11 @@ WEIGHTS_DIGEST_KEY = "weights_digest"
 QS_BYTES = {"q4_1": 16, "q8_0": 32}
 _KIND_IDS = {"q4_1": 0, "q8_0": 1}
 # Rows up to which the block kernel beats oneDNN's float32 one, measured over a whole
-# model's weights (not cached) on a 2-core AVX2 EPYC, 2 threads. Q4_1 projections,
-# blocks / fp32: 8.9 / 35 ms at 1 row, 45 / 60 at 16, 71 / 95 at 32, 114 / 127 at 64,
-# 268 / 193 at 96; the Q8_0 LM head 3.9 / 7.6 ms at 1 row, 14 / 18 at 32, 35 / 34 at 64.
-MAX_ROWS = 32
+# model's weights (not cached) on a 2-core AVX2 EPYC, 2 threads (bench at 2026-11-25).
+# Q4_1 projections, blocks / fp32: 46 / 86 ms at 32 rows, 92 / 131 at 64, 150 / 191 at
+# 96, 221 / 232 at 128, 366 / 345 at 192; the Q8_0 LM head 1.7 / 9.9 ms at 1 row,
+# 14 / 39 at 32, 49 / 74 at 128.
+MAX_ROWS = 128
 
 
 @dataclass(frozen=True)

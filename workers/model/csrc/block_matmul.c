@@ -98,6 +98,13 @@ static void chunk(int kind, const float *x, int64_t M, int64_t K, const uint8_t 
 #define KC 128  /* columns per slice: a slice of transposed x (KC x 32 floats) stays in L1 */
 #define NC 48   /* weight rows per task */
 #define NR 3    /* weight rows per micro-kernel: 3 x 4 accumulators + 4 weights fit 16 ymm */
+#define MT 32   /* rows of x per tile: the micro-kernel's 4 vectors */
+
+/* Rows in the tile of transposed x holding row m: MT but for the last, narrower tile. */
+static inline int64_t tile_width(int64_t mp, int64_t m) {
+  const int64_t m0 = m / MT * MT;
+  return mp - m0 < MT ? mp - m0 : MT;
+}
 
 /* w[r][0:kn] = the dequantized weight rows n0 + r, columns [k0, k0 + kn), r < nr.
  * Multiply then add, never fused, so the values equal the float32 copy made from the
@@ -122,57 +129,91 @@ static inline __attribute__((always_inline)) void dequantize_rows(
   }
 }
 
-/* acc[r][0:8 NV] (+)= sum_k w[r][k] * xt[k][0:8 NV] for r < R, k < kn, accumulating into
- * yt [R][mp] (rows of y transposed); the first slice starts from zero. */
+/* acc[r][0:8 NV] (+)= sum_k w[r][k] * xt[k][0:8 NV] for r < R, k < kn (xt's rows xs
+ * floats apart), accumulating into yt [R][ys] (rows of y transposed); the first slice
+ * starts from zero. */
 static inline __attribute__((always_inline)) void outer_product(
-    const int NV, const int R, const float *xt, int64_t mp, const float *w, int64_t kn,
-    float *yt, int first) {
+    const int NV, const int R, const float *xt, int64_t xs, const float *w, int64_t kn,
+    float *yt, int64_t ys, int first) {
   __m256 acc[NR][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v)
-      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(yt + r * mp + 8 * v);
+      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(yt + r * ys + 8 * v);
   for (int64_t k = 0; k < kn; ++k) {
     __m256 b[NR];
     for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(w + r * KC + k);
     for (int v = 0; v < NV; ++v) {
-      const __m256 xv = _mm256_loadu_ps(xt + k * mp + 8 * v);
+      const __m256 xv = _mm256_loadu_ps(xt + k * xs + 8 * v);
       for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(b[r], xv, acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(yt + r * mp + 8 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(yt + r * ys + 8 * v, acc[r][v]);
 }
 
 /* Rows [0, 8 nv) of transposed x against weight rows [n0, n0 + nr). */
-static void outer_product_any(int nv, int nr, const float *xt, int64_t mp, const float *w,
-                              int64_t kn, float *yt, int first) {
+static void outer_product_any(int nv, int nr, const float *xt, int64_t xs, const float *w,
+                              int64_t kn, float *yt, int64_t ys, int first) {
   /* Constant shapes let the compiler keep the accumulators in registers. */
 #define CASE(V, R) \
-  if (nv == V && nr == R) return outer_product(V, R, xt, mp, w, kn, yt, first);
+  if (nv == V && nr == R) return outer_product(V, R, xt, xs, w, kn, yt, ys, first);
   CASE(4, 3) CASE(4, 2) CASE(4, 1) CASE(3, 3) CASE(3, 2) CASE(3, 1)
   CASE(2, 3) CASE(2, 2) CASE(2, 1) CASE(1, 3) CASE(1, 2) CASE(1, 1)
 #undef CASE
 }
 
-/* Weight rows [n0, n1) against all M rows of x (transposed and padded: xt [K][mp]). */
+/* dst[j][i] = src[i][j] for i < rows, j < cols (both at most 8): 8 x 8 in registers
+ * when whole, element by element at the edges. */
+static inline void transpose8(const float *src, int64_t src_stride, float *dst,
+                              int64_t dst_stride, int64_t rows, int64_t cols) {
+  if (rows < 8 || cols < 8) {
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) dst[j * dst_stride + i] = src[i * src_stride + j];
+    return;
+  }
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  /* r[0..3] hold columns (0 1 2 3 | 4 5 6 7) of rows 0-3, r[4..7] of rows 4-7. */
+  for (int j = 0; j < 4; ++j) {
+    _mm256_storeu_ps(dst + j * dst_stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+    _mm256_storeu_ps(dst + (j + 4) * dst_stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+  }
+}
+
+/* Weight rows [n0, n1) against all M rows of x, transposed and padded to mp rows in
+ * tiles of MT: tile m0 is [K][tile width] at xt + m0 * K (see tile_width). */
 static void panel_chunk(int kind, const float *xt, int64_t M, int64_t mp, int64_t K,
                         const uint8_t *qs, const float *scale, const float *min, float *y,
                         int64_t N, int64_t n0, int64_t n1, float *w, float *yt) {
   const int64_t nb = K / BLOCK;
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t kn = K - k0 < KC ? K - k0 : KC;
-    for (int64_t n = n0; n < n1; n += NR) {
-      const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-      dequantize_rows(kind, qs, scale, min, nb, n, nr, k0, kn, w);
-      for (int64_t m0 = 0; m0 < mp; m0 += 32) {
-        const int nv = mp - m0 < 32 ? (int)(mp - m0) / 8 : 4;
-        outer_product_any(nv, nr, xt + k0 * mp + m0, mp, w, kn, yt + (n - n0) * mp + m0,
-                          k0 == 0);
+  /* A tile of x at a time, so that its slice (KC x MT floats, contiguous) stays in L1
+   * however many rows there are; this chunk's weights stay in L2 across the tiles. */
+  for (int64_t m0 = 0; m0 < mp; m0 += MT) {
+    const int64_t tw = tile_width(mp, m0);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kn = K - k0 < KC ? K - k0 : KC;
+      for (int64_t n = n0; n < n1; n += NR) {
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+        dequantize_rows(kind, qs, scale, min, nb, n, nr, k0, kn, w);
+        outer_product_any((int)tw / 8, nr, xt + m0 * K + k0 * tw, tw, w, kn,
+                          yt + (n - n0) * mp + m0, mp, k0 == 0);
       }
     }
   }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n0; n < n1; ++n) y[m * N + n] = yt[(n - n0) * mp + m];
+  for (int64_t n = n0; n < n1; n += 8)
+    for (int64_t m = 0; m < M; m += 8)
+      transpose8(yt + (n - n0) * mp + m, mp, y + m * N + n, N, n1 - n < 8 ? n1 - n : 8,
+                 M - m < 8 ? M - m : 8);
 }
 
 static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
@@ -193,8 +234,10 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
     }
 #pragma omp for schedule(static)
     for (int64_t k0 = 0; k0 < K; k0 += BLOCK)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = k0; k < k0 + BLOCK; ++k) xt[k * mp + m] = x[m * K + k];
+      for (int64_t m = 0; m < M; m += 8)
+        for (int64_t k = k0; k < k0 + BLOCK; k += 8)
+          transpose8(x + m * K + k, K, xt + m / MT * MT * K + k * tile_width(mp, m) + m % MT,
+                     tile_width(mp, m), M - m < 8 ? M - m : 8, 8);
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
       if (w == NULL || yt == NULL) continue;

@@ -11,11 +11,14 @@
  * gathered copy of the context, no padding, no mask. The arithmetic is float32 like the
  * SDPA it replaces; only the order of the sums differs.
  *
+ * baton_write_kv stores a step's new keys and values into their slots beforehand.
+ *
  * Built with the other csrc/ files by workers/model/kernels.py.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -77,7 +80,7 @@ static inline __attribute__((always_inline)) void one_head_group(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
     int64_t length, int G, const int D, int block_size, float scale, float *out) {
   float acc[MAX_GROUP][MAX_DIM];
-  float running_max[MAX_GROUP], denom[MAX_GROUP], s[CHUNK];
+  float running_max[MAX_GROUP], denom[MAX_GROUP], s[CHUNK] = {0};
   for (int g = 0; g < G; ++g) {
     running_max[g] = -INFINITY;
     denom[g] = 0.0f;
@@ -100,12 +103,18 @@ static inline __attribute__((always_inline)) void one_head_group(
         rescale = expf(running_max[g] - chunk_max);
         running_max[g] = chunk_max;
       }
-      float sum = 0.0f;
-      for (int j = 0; j < n; ++j) {
-        s[j] = expf(s[j] - running_max[g]);
-        sum += s[j];
+      /* Eight at a time; lanes past n are zeroed, so neither the sum nor the values
+       * see them. */
+      const __m256 shift = _mm256_set1_ps(running_max[g]);
+      __m256 total = _mm256_setzero_ps();
+      for (int j = 0; j < n; j += 8) {
+        const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
+        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift)), live);
+        _mm256_storeu_ps(s + j, e);
+        total = _mm256_add_ps(total, e);
       }
-      denom[g] = denom[g] * rescale + sum;
+      denom[g] = denom[g] * rescale + hsum(total);
       accumulate(acc[g], rescale, s, v, (int)n, D);
     }
     t += n;
@@ -147,5 +156,23 @@ int baton_paged_decode_attention(const float *q, const float *k_cache, const flo
     else
       one_head_group(qh, kh, vh, table, lengths[b], G, D, block_size, scale, oh);
   }
+  return 0;
+}
+
+/* The step's new K and V into their cache slots: cache[h][slots[t]] = k[t][h] (and v).
+ * k and v hold each token's Hkv heads of D floats contiguously, token t at row_stride
+ * floats from token t - 1 (views into the QKV projection's output, read in place).
+ * Returns 0, or -2 for a slot out of range (nothing is written then). */
+int baton_write_kv(const float *k, int64_t k_row_stride, const float *v, int64_t v_row_stride,
+                   const int64_t *slots, int64_t T, int Hkv, int D, float *k_cache,
+                   float *v_cache, int64_t num_slots) {
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return -2;
+  for (int64_t t = 0; t < T; ++t)
+    for (int h = 0; h < Hkv; ++h) {
+      const int64_t at = (h * num_slots + slots[t]) * D;
+      memcpy(k_cache + at, k + t * k_row_stride + h * D, sizeof(float) * (size_t)D);
+      memcpy(v_cache + at, v + t * v_row_stride + h * D, sizeof(float) * (size_t)D);
+    }
   return 0;
 }
