@@ -27,3 +27,49 @@ def test_the_engine_thread_computes_at_the_engines_thread_count(model_dir):
             await engine.shutdown()
 
     assert asyncio.run(main()) == configured
+
+
+def _os_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def _parallel_op() -> float:
+    torch.set_num_threads(2)
+    # A pointwise op big enough for ATen's OpenMP parallel_for to start its workers.
+    return float(torch.full((1 << 22,), 0.5).exp().sum())
+
+
+def test_a_passing_thread_takes_its_openmp_workers_with_it():
+    import time
+
+    from workers.torch_threads import run_in_passing_thread
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()  # the pool's own thread, before counting
+        before = _os_threads()
+        pool.submit(_parallel_op).result()
+        # A thread that stays keeps the OpenMP worker its matmul started.
+        assert _os_threads() > before
+
+        settled = _os_threads()
+        value = run_in_passing_thread(_parallel_op)
+        assert isinstance(value, float)
+        deadline = time.monotonic() + 5
+        while _os_threads() > settled and time.monotonic() < deadline:
+            time.sleep(0.01)  # the workers exit just after their thread does
+        assert _os_threads() == settled
+
+
+def test_a_passing_thread_returns_the_result_or_raises_the_error():
+    import threading
+
+    import pytest
+
+    from workers.torch_threads import run_in_passing_thread
+
+    caller = threading.get_ident()
+    assert run_in_passing_thread(threading.get_ident) != caller
+    with pytest.raises(KeyError, match="missing"):
+        run_in_passing_thread(lambda: {}["missing"])

@@ -5,13 +5,27 @@ an engine does not reach the thread that steps it (AsyncEngine's engine thread, 
 actor's method thread): that one runs at OpenMP's default, every core. Measured on
 this 2-core VM, decode at 2 threads ran at half speed that way, and a 1-thread replica
 took both cores from its neighbours. Every thread that runs model code sets it here.
+
+OpenMP's workers also outlive the call that started them, and that matters as much:
+libgomp counts every worker it manages in the process, and once they outnumber the
+cores, a waiting worker spins ~100 times instead of ~300,000 before it sleeps. An
+engine stepped on one thread after its model was loaded on another (AsyncEngine) then
+sees its worker fall asleep between each of the hundreds of parallel regions of a
+step, and wake through the OS scheduler each time: on a 2-core VM shared with Serve's
+serving path, a 32-stream decode step took ~145 ms against ~100 in process, its two
+threads busy 77% and 64% of the time. So work that would leave workers behind on a
+thread that will not step the engine runs in `run_in_passing_thread`.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 _local = threading.local()
 
@@ -21,3 +35,23 @@ def use_num_threads(num_threads: int) -> None:
     if getattr(_local, "num_threads", None) != num_threads:
         torch.set_num_threads(num_threads)
         _local.num_threads = num_threads
+
+
+def run_in_passing_thread(fn: Callable[[], T]) -> T:
+    """fn() on a thread of its own that then exits, taking with it the OpenMP workers
+    that fn's torch ops started (see above); returns fn's result or raises its error."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # re-raised in the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="baton-build")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]

@@ -48,6 +48,7 @@ from workers.engine.kv_transport import KVPart, KVRef
 from workers.engine.outputs import EngineStats, RequestOutput
 from workers.engine.pull_budget import PullBudget
 from workers.engine.sampling_params import SamplingParams
+from workers.torch_threads import run_in_passing_thread
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,10 @@ class AsyncEngine:
         cls, config: EngineConfig, on_kv_events: KVEventCallback | None = None, **options
     ) -> AsyncEngine:
         """Builds the LLMEngine (loads the model: blocking) and wraps it; `options` are
-        __init__'s."""
-        return cls(LLMEngine(config, on_kv_events=on_kv_events), **options)
+        __init__'s. The loading runs on a passing thread, so that the engine thread's
+        OpenMP workers are the only ones left (workers/torch_threads.py says why)."""
+        engine = run_in_passing_thread(lambda: LLMEngine(config, on_kv_events=on_kv_events))
+        return cls(engine, **options)
 
     # -- caller side (any thread, any event loop) ----------------------------
 

@@ -238,7 +238,10 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
         for (int64_t k = k0; k < k0 + BLOCK; k += 8)
           transpose8(x + m * K + k, K, xt + m / MT * MT * K + k * tile_width(mp, m) + m % MT,
                      tile_width(mp, m), M - m < 8 ? M - m : 8, 8);
-#pragma omp for schedule(static)
+    /* Dynamic: on a machine shared with other processes (a serving replica's own
+     * router, say) a thread the OS takes away leaves its remaining chunks to the
+     * others instead of holding every thread at the barrier until it is back. */
+#pragma omp for schedule(dynamic)
     for (int64_t c = 0; c < chunks; ++c) {
       if (w == NULL || yt == NULL) continue;
       const int64_t n0 = c * NC, n1 = n0 + NC < N ? n0 + NC : N;
@@ -274,7 +277,7 @@ int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uin
     }
   }
   const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)  /* as above */
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
     if (kind == Q4_1)
