@@ -38,9 +38,12 @@ engine -> router hop carries one message per engine step whatever the setting).
 Every engine, in process or in a pool, runs in --dtype (bfloat16: the fast path on CPUs
 with AMX or AVX512-BF16); each line carries it as its "dtype" key.
 
-Threads: the in-process engine and the aggregated replica use both cores (each is the
-only engine computing); the decode replica too, since prefill is a short burst per
-request; the prefill replica one.
+Threads: every engine uses both cores. The in-process engine and the aggregated
+replica are the only engine computing; the prefill and decode replicas take turns more
+than they overlap (a burst's prompts are prefilled before most of its decoding), and an
+idle engine's threads sleep. With one prefill thread (--prefill-threads 1) a burst of
+32 prompts waits twice as long for its first tokens (c32 `disagg` 0.71 of the engine
+against 0.87 with two, at c9e567c).
 """
 
 from __future__ import annotations
@@ -371,7 +374,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--agg-threads", type=int, default=min(2, cpu_count()))
-    parser.add_argument("--prefill-threads", type=int, default=1)
+    parser.add_argument("--prefill-threads", type=int, default=min(2, cpu_count()))
     parser.add_argument("--decode-threads", type=int, default=min(2, cpu_count()))
     parser.add_argument("--max-pending-prefills", type=int, default=4)
     parser.add_argument(
