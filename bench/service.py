@@ -42,8 +42,9 @@ Threads: every engine uses both cores. The in-process engine and the aggregated
 replica are the only engine computing; the prefill and decode replicas take turns more
 than they overlap (a burst's prompts are prefilled before most of its decoding), and an
 idle engine's threads sleep. With one prefill thread (--prefill-threads 1) a burst of
-32 prompts waits twice as long for its first tokens (c32 `disagg` 0.71 of the engine
-against 0.87 with two, at c9e567c).
+32 prompts waits longer for its first tokens (c32 `disagg` 0.71 of the engine against
+0.87 with two, at c9e567c); the shorter prefill makes a handoff a larger
+share of it (ratio.handoff_over_prefill_512.*).
 """
 
 from __future__ import annotations
