@@ -12,7 +12,7 @@ cores, a waiting worker spins ~100 times instead of ~300,000 before it sleeps. A
 engine stepped on one thread after its model was loaded on another (AsyncEngine) then
 sees its worker fall asleep between each of the hundreds of parallel regions of a
 step, and wake through the OS scheduler each time: on a 2-core VM shared with Serve's
-serving path, a 32-stream decode step took ~145 ms against ~100 in process, its two
+serving path, a 32-stream decode step took 145-165 ms against ~110 in process, its two
 threads busy 77% and 64% of the time. So work that would leave workers behind on a
 thread that will not step the engine runs in `run_in_passing_thread`.
 """
