@@ -106,10 +106,11 @@ static inline __attribute__((always_inline)) void one_head_group(
       /* Eight at a time; lanes past n are zeroed, so neither the sum nor the values
        * see them. */
       const __m256 shift = _mm256_set1_ps(running_max[g]);
+      const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       __m256 total = _mm256_setzero_ps();
       for (int j = 0; j < n; j += 8) {
-        const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
+        const __m256i left = _mm256_set1_epi32((int)n - j);  /* lane i lives if i < left */
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(left, lanes));
         const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift)), live);
         _mm256_storeu_ps(s + j, e);
         total = _mm256_add_ps(total, e);
