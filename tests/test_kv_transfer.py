@@ -8,6 +8,7 @@ refused handoffs in test_kv_transfer_lifecycle.py.
 from __future__ import annotations
 
 import pickle
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -24,7 +25,7 @@ from kv_transfer_helpers import (
 )
 
 from workers.engine.block_hash import BlockHash
-from workers.engine.kv_transfer import StalePrefixError, export_blocks, import_blocks
+from workers.engine.kv_transfer import KVBlocks, StalePrefixError, export_blocks, import_blocks
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 from workers.engine.sequence import FinishReason
@@ -107,3 +108,20 @@ def test_handle_and_blocks_pickle(model_dir):
     assert torch.equal(copied_parts[0].data, parts[0].data)
     error = pickle.loads(pickle.dumps(StalePrefixError("gone", 2)))
     assert (str(error), error.num_cached_blocks) == ("gone", 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_blocks_data_pickles_out_of_band(dtype):
+    """As Ray pickles it: the data leaves as one out-of-band buffer (no bytes copied into
+    the pickle), and comes back from a read-only buffer (an object store's) intact, with
+    no warning."""
+    data = torch.randn(2, 2, 3, 4, 16, 8).to(dtype)[:, :, 1:]  # not contiguous
+    buffers: list[pickle.PickleBuffer] = []
+    body = pickle.dumps(KVBlocks(data, 1, 3, 5), protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1 and len(body) < 1024
+    read_only = [memoryview(bytes(b.raw())).toreadonly() for b in buffers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copy = pickle.loads(body, buffers=read_only)
+    assert (copy.tp_rank, copy.tp_size, copy.start_block) == (1, 3, 5)
+    assert copy.data.dtype == dtype and torch.equal(copy.data, data)
