@@ -33,7 +33,7 @@ engine -> router hop carries one message per engine step whatever the setting).
 
     .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 2] [--decode-threads 2]
         [--stream-interval 4] [--max-pending-prefills 4] [--dtype float32]
-        [--systems agg disagg ...]
+        [--systems [agg disagg ...]] [--transports [object_store nixl]]
 
 Every engine, in process or in a pool, runs in --dtype (bfloat16: the fast path on CPUs
 with AMX or AVX512-BF16); each line carries it as its "dtype" key.
@@ -298,7 +298,7 @@ async def main_async(args: argparse.Namespace) -> None:
     services["agg_actor_call"] = "agg_actor_call"
     services["disagg_selective"] = "disagg_selective"
     services["agg_python_proxy"] = "agg"
-    if args.systems:
+    if args.systems is not None:
         unknown = sorted(set(args.systems) - set(services))
         if unknown:
             raise ValueError(f"--systems: {unknown} not among {sorted(services)}")
@@ -359,7 +359,7 @@ async def main_async(args: argparse.Namespace) -> None:
             emit(f"ratio.c{c}_tok_s.{system}_over_engine", ratio, "ratio", **context)
 
     long_prompt = topic_prompt(tok, TOPICS[1], 512)
-    for transport in () if args.systems else TRANSPORTS:
+    for transport in args.transports:
         app = f"disagg_{transport}"
         with Deployed(app, apps[app], ports, python_proxy=False):
             prefill_s, handoff_s = await handoff_figures(address, app, long_prompt, 3)
@@ -387,9 +387,16 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
         "--systems",
-        nargs="+",
+        nargs="*",
         metavar="SYSTEM",
-        help="measure only these services (e.g. agg disagg), and no handoff figures",
+        help="measure only these services (e.g. agg disagg; none: only the handoffs)",
+    )
+    parser.add_argument(
+        "--transports",
+        nargs="*",
+        choices=TRANSPORTS,
+        default=list(TRANSPORTS),
+        help="the KV transports whose handoff to measure (default all; none: no handoffs)",
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Deleting an application waits this long for its router (Serve's direct ingress) to
