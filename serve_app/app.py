@@ -98,14 +98,8 @@ def validate(config: AppConfig) -> None:
     if config.mode == "disaggregated":
         check_transport(config.transport)
     model = ModelConfig.from_pretrained(config.model_dir())
-    valid = model.valid_tp_degrees()
     for role, pool in config.pools().items():
-        if pool.tensor_parallel_size not in valid:
-            raise ValueError(
-                f"{role}.tensor_parallel_size={pool.tensor_parallel_size} does not divide the "
-                f"model's {model.num_attention_heads} attention heads and "
-                f"{model.num_key_value_heads} KV heads; valid degrees: {valid}"
-            )
+        model.check_tp_degree(pool.tensor_parallel_size, f"{role}.tensor_parallel_size")
         if pool.num_replicas < 1 and pool.autoscaling is None:
             raise ValueError(f"{role}.num_replicas must be >= 1 (or set {role}.autoscaling)")
     config.context_length(config.model_dir())  # a max_model_len no KV cache can hold

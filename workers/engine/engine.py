@@ -20,18 +20,9 @@ from workers.engine.handoff import HeldHandoffs, KVImports
 from workers.engine.kv_cache_manager import KVCacheManager, KVEventCallback
 from workers.engine.kv_transfer import KVHandle, KVLayout
 from workers.engine.kv_transport import KVPart
-from workers.engine.model_runner import (
-    ModelRunner,
-    RunnerSpec,
-    SeqChunk,
-    StepInput,
-)
+from workers.engine.model_runner import ModelRunner, RunnerSpec, SeqChunk, StepInput
 from workers.engine.outputs import EngineStats, RequestOutput, merge_outputs
-from workers.engine.sampling_params import (
-    SamplingParams,
-    TokenLogprob,
-    check_request,
-)
+from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_request
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
 from workers.engine.speculative import NgramSpeculator, sample_with_drafts
@@ -56,13 +47,7 @@ class LLMEngine:
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         tp = config.tensor_parallel_size
-        if tp not in self.model_config.valid_tp_degrees():
-            raise ValueError(
-                f"tensor_parallel_size={tp} does not divide the model's "
-                f"{self.model_config.num_attention_heads} attention heads and "
-                f"{self.model_config.num_key_value_heads} KV heads; valid degrees: "
-                f"{self.model_config.valid_tp_degrees()}"
-            )
+        self.model_config.check_tp_degree(tp)
         self.use_thread()
         self.tokenizer = tokenizer or Tokenizer(model_dir)
         self.max_model_len = config.context_length(self.model_config)

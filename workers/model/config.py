@@ -99,6 +99,15 @@ class ModelConfig:
             if self.num_key_value_heads % d == 0 and self.num_attention_heads % d == 0
         ]
 
+    def check_tp_degree(self, tp: int, field: str = "tensor_parallel_size") -> None:
+        """ValueError, naming `field` and the valid degrees, unless `tp` splits the heads."""
+        if tp not in self.valid_tp_degrees():
+            raise ValueError(
+                f"{field}={tp} does not divide the model's {self.num_attention_heads} "
+                f"attention heads and {self.num_key_value_heads} KV heads; valid degrees: "
+                f"{self.valid_tp_degrees()}"
+            )
+
 
 def _context_length(raw: dict[str, Any], model_type: str) -> int:
     """The context the model runs at here. Attention here is over the whole context,
