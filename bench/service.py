@@ -9,9 +9,9 @@ ratio.*.<system>_over_engine, and, per KV transport, the handoff time of a 512-t
 prompt next to its prefill time (ratio.handoff_over_prefill_512.<transport>).
 
 A ratio over the engine is the median, over rounds, of a service's tokens/s over the
-in-process engine's measured just before it (the engine runs before every service, so a
-drift of the VM's speed during the run cancels out; "engine.*" are the medians of all
-those engine runs).
+mean of the in-process engine's measured just before and just after it (the engine runs
+between services, so a steady drift of the VM's speed during the run cancels out;
+"engine.*" are the medians of all those engine runs).
 
 Each service is deployed for its own turn and deleted after it, so it shares the
 machine only with what it brings: an idle replica is not free (Serve's health checks,
@@ -325,14 +325,18 @@ async def main_async(args: argparse.Namespace) -> None:
     await run_engine(batches[8][:2])  # warm-up
     for r in range(args.rounds):
         log(f"round {r + 1}/{args.rounds}")
+        # The engine runs between services, and each service is set against the mean of
+        # the runs just before and after it: this VM's speed drifts by 10-30% within
+        # minutes, and the bracket cancels a steady drift.
+        before = await measure("engine", run_engine, warm_up=False)
         for system, app in services.items():
-            # The engine again before each service: this VM's speed drifts by 10-30%
-            # within a run, and the ratio of two adjacent runs cancels most of it.
-            engine_tok_s = await measure("engine", run_engine, warm_up=False)
             with Deployed(app, apps[app], ports, python_proxy=system == "agg_python_proxy"):
                 tok_s = await measure(system, lambda p, app=app: service_run(address, app, p))
+            after = await measure("engine", run_engine, warm_up=False)
             for c in batches:
-                paired.setdefault((system, c), []).append(tok_s[c] / engine_tok_s[c])
+                bracket = (before[c] + after[c]) / 2
+                paired.setdefault((system, c), []).append(tok_s[c] / bracket)
+            before = after
     await engine.shutdown()
 
     context = {
