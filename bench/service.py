@@ -323,12 +323,12 @@ async def main_async(args: argparse.Namespace) -> None:
         return engine_run(engine, prompts)
 
     await run_engine(batches[8][:2])  # warm-up
+    # The engine runs between services, and each service is set against the mean of the
+    # runs just before and after it: this VM's speed drifts by 10-30% within minutes, and
+    # the bracket cancels a steady drift.
+    before = await measure("engine", run_engine, warm_up=False)
     for r in range(args.rounds):
         log(f"round {r + 1}/{args.rounds}")
-        # The engine runs between services, and each service is set against the mean of
-        # the runs just before and after it: this VM's speed drifts by 10-30% within
-        # minutes, and the bracket cancels a steady drift.
-        before = await measure("engine", run_engine, warm_up=False)
         for system, app in services.items():
             with Deployed(app, apps[app], ports, python_proxy=system == "agg_python_proxy"):
                 tok_s = await measure(system, lambda p, app=app: service_run(address, app, p))

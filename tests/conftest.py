@@ -212,6 +212,19 @@ def smollm2_gguf(smollm2_dir: Path) -> Path:
     return ensure_default_gguf()
 
 
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf: Path):
+    """transformers' own float32 model, built by its own GGUF loader (its dequantization,
+    its Q/K un-permutation) from the file the default model was converted from: what the
+    converter and the engine are held to. Loaded once: it takes ~20 s."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+
+
 def _free_port() -> int:
     import socket
 

@@ -250,17 +250,14 @@ DIGIT_AFTER_WHITESPACE = [
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_gguf):
+def hf_reference(smollm2_gguf, smollm2_reference):
     """transformers' own model and tokenizer built from the same GGUF file (offline)."""
-    import torch
     import transformers
 
-    kwargs = {"gguf_file": smollm2_gguf.name}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), **kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), dtype=torch.float32, **kwargs
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
     )
-    return model.eval(), tokenizer
+    return smollm2_reference, tokenizer
 
 
 @pytest.mark.slow

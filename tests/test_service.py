@@ -40,6 +40,7 @@ from service_helpers import (
     _wait_all_blocks_free,
     _wait_prefill_exports_freed,
     _wait_until_known,
+    wait_for,
 )
 
 from serve_app import service_ops
@@ -402,17 +403,24 @@ def test_scaling_prefill_during_traffic_fails_nothing_and_the_new_replica_serves
     threads = [threading.Thread(target=traffic, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
+
+    def prefill_replicas() -> list[dict]:
+        return [s for s in _snapshots() if (s["app"], s["role"]) == ("disagg", "prefill")]
+
     try:
         service_ops.scale("prefill", 2, app_name="disagg")
-        time.sleep(8)  # traffic on the scaled pool
+        # Traffic goes on until both replicas have computed some of it.
+        wait_for(
+            lambda: [s["engine"]["num_steps"] > 0 for s in prefill_replicas()] == [True] * 2,
+            "the new prefill replica to serve",
+            timeout_s=60,
+        )
     finally:
         done.set()
         for t in threads:
             t.join()
     assert not errors, errors[:3]
-    prefill = [s for s in _snapshots() if (s["app"], s["role"]) == ("disagg", "prefill")]
-    assert len(prefill) == 2
-    assert all(s["engine"]["num_steps"] > 0 for s in prefill), prefill
+    assert len(prefill_replicas()) == 2
 
 
 def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):

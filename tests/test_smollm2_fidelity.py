@@ -60,21 +60,12 @@ def prompts(engine):
     return ids
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
-
-
 def _greedy(engine, prompts, max_tokens=NEW_TOKENS):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     return [s.output_token_ids for s in engine.generate(prompts, params)]
 
 
-def test_greedy_tokens_match_transformers(engine, prompts, reference):
+def test_greedy_tokens_match_transformers(engine, prompts, smollm2_reference):
     # Checked in one forward pass of transformers' model per prompt, over the prompt and
     # our output: its argmax at each position must be our next token. That holds exactly
     # when our output is its greedy continuation (what `generate` would give, token by
@@ -82,7 +73,7 @@ def test_greedy_tokens_match_transformers(engine, prompts, reference):
     ours = _greedy(engine, prompts)
     for prompt, got in zip(prompts, ours, strict=True):
         with torch.inference_mode():
-            logits = reference(torch.tensor([prompt + got])).logits[0]
+            logits = smollm2_reference(torch.tensor([prompt + got])).logits[0]
         theirs = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
         assert got == theirs, f"first difference at output token {_first_difference(got, theirs)}"
     assert sum(len(g) for g in ours) >= len(prompts) * NEW_TOKENS // 2  # most ran long
@@ -92,7 +83,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
 
 
-def test_last_position_logits_match_transformers(smollm2_dir, prompts, reference):
+def test_last_position_logits_match_transformers(smollm2_dir, prompts, smollm2_reference):
     longest = max(len(p) for p in prompts)
     runner = ModelRunner(
         smollm2_dir, num_blocks=-(-longest // 16), block_size=16, max_model_len=1024
@@ -101,7 +92,7 @@ def test_last_position_logits_match_transformers(smollm2_dir, prompts, reference
         table = list(range(-(-len(prompt) // 16)))
         ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)]))[0]
         with torch.inference_mode():
-            expected = reference(torch.tensor([prompt])).logits[0, -1]
+            expected = smollm2_reference(torch.tensor([prompt])).logits[0, -1]
         assert (ours - expected).abs().max().item() < 1e-3
 
 
@@ -138,11 +129,13 @@ def test_tp3_greedy_tokens_match_tp1(ray_cluster, smollm2_dir, engine, prompts):
         tp3.shutdown()
 
 
-def test_bfloat16_errs_about_as_much_as_transformers_own_bfloat16(smollm2_dir, prompts, reference):
+def test_bfloat16_errs_about_as_much_as_transformers_own_bfloat16(
+    smollm2_dir, prompts, smollm2_reference
+):
     # bf16 is the CPU fast path where AMX or AVX512-BF16 exist (and the CUDA default).
     # Cast from the float32 reference: what loading the GGUF at bfloat16 gives, without
     # dequantizing it again.
-    theirs16 = copy.deepcopy(reference).to(torch.bfloat16)
+    theirs16 = copy.deepcopy(smollm2_reference).to(torch.bfloat16)
     longest = max(len(p) for p in prompts)
     runner = ModelRunner(
         smollm2_dir,
@@ -156,7 +149,7 @@ def test_bfloat16_errs_about_as_much_as_transformers_own_bfloat16(smollm2_dir, p
         table = list(range(-(-len(prompt) // 16)))
         ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)]))[0]
         with torch.inference_mode():
-            expected = reference(torch.tensor([prompt])).logits[0, -1]
+            expected = smollm2_reference(torch.tensor([prompt])).logits[0, -1]
             theirs = theirs16(torch.tensor([prompt])).logits[0, -1].float()
         ours_err += (ours - expected).abs().max().item()
         theirs_err += (theirs - expected).abs().max().item()
