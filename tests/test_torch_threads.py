@@ -5,12 +5,17 @@ it from the calling thread)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from async_engine_helpers import _engine
 
 from workers.engine.async_engine import AsyncEngine
+from workers.torch_threads import run_in_passing_thread
 
 
 def test_the_engine_thread_computes_at_the_engines_thread_count(model_dir):
@@ -30,8 +35,6 @@ def test_the_engine_thread_computes_at_the_engines_thread_count(model_dir):
 
 
 def _os_threads() -> int:
-    import os
-
     return len(os.listdir("/proc/self/task"))
 
 
@@ -42,15 +45,11 @@ def _parallel_op() -> float:
 
 
 def test_a_passing_thread_takes_its_openmp_workers_with_it():
-    import time
-
-    from workers.torch_threads import run_in_passing_thread
-
     with ThreadPoolExecutor(1) as pool:
         pool.submit(lambda: None).result()  # the pool's own thread, before counting
         before = _os_threads()
         pool.submit(_parallel_op).result()
-        # A thread that stays keeps the OpenMP worker its matmul started.
+        # A thread that stays keeps the OpenMP worker its op started.
         assert _os_threads() > before
 
         settled = _os_threads()
@@ -63,12 +62,6 @@ def test_a_passing_thread_takes_its_openmp_workers_with_it():
 
 
 def test_a_passing_thread_returns_the_result_or_raises_the_error():
-    import threading
-
-    import pytest
-
-    from workers.torch_threads import run_in_passing_thread
-
     caller = threading.get_ident()
     assert run_in_passing_thread(threading.get_ident) != caller
     with pytest.raises(KeyError, match="missing"):

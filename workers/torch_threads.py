@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -40,18 +41,5 @@ def use_num_threads(num_threads: int) -> None:
 def run_in_passing_thread(fn: Callable[[], T]) -> T:
     """fn() on a thread of its own that then exits, taking with it the OpenMP workers
     that fn's torch ops started (see above); returns fn's result or raises its error."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(fn())
-        except BaseException as e:  # re-raised in the caller's thread
-            error.append(e)
-
-    thread = threading.Thread(target=run, name="baton-build")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="baton-build") as pool:
+        return pool.submit(fn).result()
