@@ -34,7 +34,7 @@ from workers.engine.sequence import FinishReason
 def _filled_runner(model_dir, seed: int, dtype=torch.float32) -> ModelRunner:
     runner = ModelRunner(model_dir, num_blocks=12, block_size=4, max_model_len=48, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
-    for k, v in runner.kv_caches:
+    for k, v in runner.kv_cache:
         k.copy_(torch.randn(k.shape, generator=g))
         v.copy_(torch.randn(v.shape, generator=g))
     return runner
@@ -46,11 +46,11 @@ def _block(cache: torch.Tensor, block: int, block_size: int = 4) -> torch.Tensor
 
 def test_export_then_import_copies_exactly_those_blocks(model_dir):
     src, dst = _filled_runner(model_dir, 0), _filled_runner(model_dir, 1)
-    before = [(k.clone(), v.clone()) for k, v in dst.kv_caches]
+    before = [(k.clone(), v.clone()) for k, v in dst.kv_cache]
     kv = export_blocks(src, [7, 2, 9], start_block=3)
     assert kv.data.shape == (2, 2, 2, 3, 4, 16) and kv.start_block == 3 and kv.end_block == 6
     import_blocks(dst, [0, 5, 11], kv)
-    for (sk, sv), (dk, dv), (bk, bv) in zip(src.kv_caches, dst.kv_caches, before, strict=True):
+    for (sk, sv), (dk, dv), (bk, bv) in zip(src.kv_cache, dst.kv_cache, before, strict=True):
         for s_block, d_block in [(7, 0), (2, 5), (9, 11)]:
             assert torch.equal(_block(dk, d_block), _block(sk, s_block))
             assert torch.equal(_block(dv, d_block), _block(sv, s_block))
@@ -69,7 +69,7 @@ def test_import_converts_the_exporters_dtype(model_dir, src_dtype, dst_dtype):
     src = _filled_runner(model_dir, 0, dtype=src_dtype)
     dst = _filled_runner(model_dir, 1, dtype=dst_dtype)
     import_blocks(dst, [4, 1], export_blocks(src, [2, 8]))
-    for (sk, sv), (dk, dv) in zip(src.kv_caches, dst.kv_caches, strict=True):
+    for (sk, sv), (dk, dv) in zip(src.kv_cache, dst.kv_cache, strict=True):
         assert dk.dtype == dv.dtype == dst_dtype
         for s_block, d_block in [(2, 4), (8, 1)]:
             assert torch.equal(_block(dk, d_block), _block(sk, s_block).to(dst_dtype))

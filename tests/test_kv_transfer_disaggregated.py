@@ -87,6 +87,23 @@ def test_the_first_token_can_end_the_request_on_decode(model_dir):
     _assert_all_free(prefill, decode)
 
 
+def test_the_first_token_is_ready_before_the_step_that_computes_the_second(model_dir):
+    prefill, decode = _engine(model_dir), _engine(model_dir)
+    prompt = _tokens(20, seed=22)
+    first = _prefill(prefill, "r", prompt)
+    handle, parts = prefill.export_kv("r")
+    decode.add_prefilled_request("r", prompt, GREEDY, handle, parts)
+    (out,) = decode.ready_outputs()
+    assert decode.stats().num_steps == 0 and not out.finished
+    assert out.new_token_ids == first.new_token_ids and out.num_output_tokens == 1
+    assert decode.ready_outputs() == []
+    (second,) = decode.step()  # the first token is not handed out twice
+    assert second.num_output_tokens == 2 and decode.stats().num_steps == 1
+    assert prefill.release_handoff("r")
+    decode.abort("r")
+    _assert_all_free(prefill, decode)
+
+
 def test_seeded_sampling_continues_the_same_random_stream(model_dir):
     single, prefill, decode = _engine(model_dir), _engine(model_dir), _engine(model_dir)
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)

@@ -15,7 +15,7 @@ import torch
 from async_engine_helpers import _engine
 
 from workers.engine.async_engine import AsyncEngine
-from workers.torch_threads import run_in_passing_thread
+from workers.torch_threads import one_thread, run_in_passing_thread, use_num_threads
 
 
 def test_the_engine_thread_computes_at_the_engines_thread_count(model_dir):
@@ -66,3 +66,16 @@ def test_a_passing_thread_returns_the_result_or_raises_the_error():
     assert run_in_passing_thread(threading.get_ident) != caller
     with pytest.raises(KeyError, match="missing"):
         run_in_passing_thread(lambda: {}["missing"])
+
+
+def test_one_thread_runs_the_block_on_one_thread_and_restores_the_count():
+    def on_a_thread_of_its_own():
+        use_num_threads(2)
+        seen = []
+        with one_thread():
+            seen.append(torch.get_num_threads())
+        with pytest.raises(KeyError), one_thread():
+            raise KeyError("the count comes back after an error too")
+        return seen, torch.get_num_threads()
+
+    assert run_in_passing_thread(on_a_thread_of_its_own) == ([1], 2)

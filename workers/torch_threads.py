@@ -20,8 +20,9 @@ thread that will not step the engine runs in `run_in_passing_thread`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -36,6 +37,19 @@ def use_num_threads(num_threads: int) -> None:
     if getattr(_local, "num_threads", None) != num_threads:
         torch.set_num_threads(num_threads)
         _local.num_threads = num_threads
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch ops in the block run on the calling thread alone, without a parallel region
+    (for short copies, which a region's wait for a descheduled worker would dwarf on a
+    busy machine); the thread's count is restored after."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
 
 
 def run_in_passing_thread(fn: Callable[[], T]) -> T:

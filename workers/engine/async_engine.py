@@ -311,7 +311,9 @@ class AsyncEngine:
                     self._publish_stats(num_adds)
                     return
                 if engine.has_unfinished() or len(engine.handoffs):
-                    self._dispatch(engine.step())  # also expires handoffs, admits imports
+                    # Expires handoffs and admits imports, whose first tokens go out now.
+                    self._dispatch(engine.ready_outputs())
+                    self._dispatch(engine.step())
                 self._publish_stats(num_adds)
         except BaseException as exc:  # anything escaping here leaves the engine unusable
             logger.exception("engine thread failed; failing every request")

@@ -172,11 +172,18 @@ class LLMEngine:
 
     # -- stepping ------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def ready_outputs(self) -> list[RequestOutput]:
+        """What is due without computing: the first tokens of imports admitted now. `step`
+        hands them out too; a streaming caller takes them first, so that they do not wait
+        for the step that computes each request's second token."""
         now = time.monotonic()
         self.handoffs.expire(now)
         self._admit_imports(now)
         outputs, self._outbox = self._outbox, []
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.ready_outputs()
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
         scheduled = self.scheduler.schedule(drafts).scheduled
         if not scheduled:

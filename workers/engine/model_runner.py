@@ -68,16 +68,21 @@ class ModelRunner:
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.model = load_model(model_dir, tp, max_model_len, dtype, self.device)
         self.num_blocks = num_blocks
-        num_slots = num_blocks * block_size
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for attn in self.model.attention_layers():
-            shape = (attn.num_kv_heads, num_slots, attn.head_dim)
-            # Zeros, not empty: masked-out padding slots are still multiplied by
-            # a zero weight, and 0 * NaN from uninitialised memory would poison it.
-            k = torch.zeros(shape, dtype=dtype, device=self.device)
-            v = torch.zeros(shape, dtype=dtype, device=self.device)
-            attn.bind_cache(k, v)
-            self.kv_caches.append((k, v))
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        # One tensor [layers, k/v, kv heads, slots, head dim] whose [layer, 0] and
+        # [layer, 1] each layer binds: a handoff's blocks then leave or enter every layer
+        # in one indexed copy (kv_transfer), not one per layer and k/v, each of which is
+        # a parallel region and a GIL round trip that a busy serving process makes slow.
+        # Zeros, not empty: masked-out padding slots are still multiplied by a zero
+        # weight, and 0 * NaN from uninitialised memory would poison it.
+        self.kv_cache = torch.zeros(
+            (len(layers), 2, attn.num_kv_heads, num_blocks * block_size, attn.head_dim),
+            dtype=dtype,
+            device=self.device,
+        )
+        for layer, (k, v) in zip(layers, self.kv_cache, strict=True):
+            layer.bind_cache(k, v)
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRunner:
