@@ -207,7 +207,7 @@ def app_configs(args: argparse.Namespace) -> dict[str, AppConfig]:
             stream_interval=interval,
             aggregated=agg_pool,
         )
-        for transport in TRANSPORTS if interval == 1 else (AppConfig().transport,):
+        for transport in TRANSPORTS if interval == 1 else (AppConfig().kv_transport(),):
             apps[f"disagg_{transport}{suffix}"] = AppConfig(
                 mode="disaggregated",
                 transport=transport,
@@ -220,7 +220,7 @@ def app_configs(args: argparse.Namespace) -> dict[str, AppConfig]:
     apps["agg_actor_call"] = apps["agg"].model_copy(update={"output_channel": "actor_call"})
     # Selective disaggregation: decode prefills what arrives while it already waits on
     # --max-pending-prefills prefills (a burst the single prefill replica would queue).
-    apps["disagg_selective"] = apps[f"disagg_{AppConfig().transport}"].model_copy(
+    apps["disagg_selective"] = apps[f"disagg_{AppConfig().kv_transport()}"].model_copy(
         update={"max_pending_prefills": args.max_pending_prefills}
     )
     return apps
@@ -292,7 +292,7 @@ async def main_async(args: argparse.Namespace) -> None:
     )
     tok = engine.engine.tokenizer
     batches = {c: [topic_prompt(tok, TOPICS[i], PROMPT_TOKENS) for i in range(c)] for c in (8, 32)}
-    disagg = f"disagg_{AppConfig().transport}"  # throughput over the default transport
+    disagg = f"disagg_{AppConfig().kv_transport()}"  # throughput over the default transport
     services = {"agg": "agg", "disagg": disagg, f"agg_si{si}": f"agg_si{si}"}
     services[f"disagg_si{si}"] = f"{disagg}_si{si}"
     services["agg_actor_call"] = "agg_actor_call"

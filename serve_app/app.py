@@ -96,7 +96,7 @@ def validate(config: AppConfig) -> None:
     """Checks that need the model (TP degrees) or the environment (the transport's
     package); ValueError naming the field."""
     if config.mode == "disaggregated":
-        check_transport(config.transport)
+        check_transport(config.kv_transport())
     model = ModelConfig.from_pretrained(config.model_dir())
     for role, pool in config.pools().items():
         model.check_tp_degree(pool.tensor_parallel_size, f"{role}.tensor_parallel_size")

@@ -18,9 +18,12 @@ from workers.model.config import ModelConfig
 
 # How prefill's KV blocks reach decode (workers/engine/kv_transport.py): "nixl" (Ray
 # Direct Transport: decode pulls the KV heads straight from the prefill ranks holding
-# them) or "object_store" (Ray's object store: the fallback, works anywhere).
-Transport = Literal["object_store", "nixl"]
-TRANSPORTS: tuple[str, ...] = Transport.__args__
+# them), "object_store" (Ray's object store: works anywhere) or "auto" (AppConfig
+# .kv_transport: nixl where a pool runs on GPUs or decodes at TP > 1, else the object
+# store, which on CPU moves a 512-token prompt's KV as fast and a burst of small ones
+# for a fraction of nixl's cost per export; ARCHITECTURE.md has the figures).
+Transport = Literal["auto", "object_store", "nixl"]
+TRANSPORTS: tuple[str, ...] = tuple(t for t in Transport.__args__ if t != "auto")
 
 Mode = Literal["aggregated", "disaggregated"]
 
@@ -112,7 +115,7 @@ class AppConfig(_Frozen):
     # The name clients use (OpenAI "model", gRPC model info); defaults to the folder's name.
     served_model_name: str | None = None
     mode: Mode = "disaggregated"
-    transport: Transport = "nixl"
+    transport: Transport = "auto"
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
@@ -199,6 +202,16 @@ class AppConfig(_Frozen):
                 raise ValueError(f"{role} pool: {e}") from None
         return min(lengths)
 
+    def kv_transport(self) -> str:
+        """`transport`, with "auto" resolved: nixl where it avoids a copy through host
+        memory (GPU pools) or through the decode replica's process (each decode rank pulls
+        its own KV heads), else the object store."""
+        if self.transport != "auto":
+            return self.transport
+        pools = (self.prefill, self.decode)
+        direct = any(p.num_gpus > 0 for p in pools) or self.decode.tensor_parallel_size > 1
+        return "nixl" if direct else "object_store"
+
     def engine_config(self, pool: PoolConfig, model_dir: str, model_id: str | None) -> EngineConfig:
         return EngineConfig(
             model=model_dir,
@@ -214,7 +227,7 @@ class AppConfig(_Frozen):
             enable_prefix_caching=self.enable_prefix_caching,
             model_id=model_id,
             handoff_timeout_s=self.handoff_timeout_s,
-            kv_transport=self.transport,
+            kv_transport=self.kv_transport(),
             detokenize=False,  # the router makes the text (serve_app/text_stream.py)
             speculative=(
                 SpeculativeConfig(num_tokens=pool.speculative_tokens)

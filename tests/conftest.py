@@ -293,6 +293,7 @@ def service(ray_cluster, smollm2_dir, serve_ports):
         time.sleep(0.2)
     disagg = AppConfig(
         mode="disaggregated",
+        transport="nixl",  # "disagg_os" in test_service.py runs the object store
         prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
         # Speculating, so that every comparison of "disagg" with "agg" and the in-process
         # engine also covers n-gram speculative decoding end to end.

@@ -86,6 +86,26 @@ def test_the_config_offers_exactly_the_engines_transports(model_dir):
         assert engine.kv_transport == transport
 
 
+def test_auto_transport_is_nixl_with_gpus_or_a_tp_decode_and_the_object_store_otherwise(
+    model_dir,
+):
+    cases = [
+        ({}, "object_store"),
+        ({"decode": {"tensor_parallel_size": 3}}, "nixl"),
+        ({"prefill": {"tensor_parallel_size": 3}}, "object_store"),
+        ({"prefill": {"num_gpus": 1}}, "nixl"),
+        ({"decode": {"num_gpus": 1}}, "nixl"),
+        ({"transport": "nixl"}, "nixl"),
+        ({"decode": {"tensor_parallel_size": 3}, "transport": "object_store"}, "object_store"),
+    ]
+    for fields, expected in cases:
+        config = AppConfig.model_validate({"model": str(model_dir), **fields})
+        assert config.kv_transport() == expected, fields
+        for pool in (config.prefill, config.decode):
+            assert config.engine_config(pool, str(model_dir), "m").kv_transport == expected
+    assert AppConfig().transport == "auto"
+
+
 def test_each_pool_chooses_its_dtype(model_dir):
     config = AppConfig.model_validate({"model": str(model_dir), "prefill": {"dtype": "bfloat16"}})
     prefill = config.engine_config(config.prefill, str(model_dir), "m")

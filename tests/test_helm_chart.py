@@ -16,12 +16,12 @@ import helm_python as helm
 import pytest
 from helm_chart_helpers import CHART, KUBE_VERSION, RELEASE, value_sets
 
-from serve_app.config import TRANSPORTS, DType, Mode
+from serve_app.config import DType, Mode, Transport
 
 
 def test_schema_enums_are_the_config_literals(chart):
     props = chart.schema["properties"]
-    assert tuple(props["transport"]["enum"]) == TRANSPORTS
+    assert tuple(props["transport"]["enum"]) == Transport.__args__
     assert tuple(props["mode"]["enum"]) == typing.get_args(Mode)
     pool = chart.schema["definitions"]["pool"]["properties"]["replica"]["properties"]
     assert tuple(pool["dtype"]["enum"]) == typing.get_args(DType)

@@ -1,7 +1,7 @@
 """The service end to end: real Ray, real Serve proxies, the real SmolLM2 model.
 
 Two applications share one Serve instance: "disagg" (prefill TP 3 -> decode TP 1, so
-KV heads are re-split on every handoff; KV over nixl, the default) and "agg" (one
+KV heads are re-split on every handoff; KV over nixl) and "agg" (one
 aggregated pool). Clients are the ones users run: grpcio stubs through Serve's gRPC
 proxy and the `openai` library through Serve's HTTP proxy. The last test checks that
 every request of the module, cancelled ones included, gave all its KV blocks back on
@@ -128,7 +128,7 @@ def test_the_object_store_fallback_gives_the_same_output(service, disagg, smollm
         assert after["num_direct"] == before["num_direct"] == 0
     finally:
         serve.delete("disagg_os")
-    # The default transport (nixl) pulls every handoff straight from the prefill ranks.
+    # The main app's transport, nixl, pulls every handoff straight from the prefill ranks.
     before = _decode_stats()["handoff"]
     disagg.generate_unary(_greedy(PROMPTS[3]))
     after = _decode_stats()["handoff"]
