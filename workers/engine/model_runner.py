@@ -72,8 +72,7 @@ class ModelRunner:
         attn = layers[0]
         # One tensor [layers, k/v, kv heads, slots, head dim] whose [layer, 0] and
         # [layer, 1] each layer binds: a handoff's blocks then leave or enter every layer
-        # in one indexed copy (kv_transfer), not one per layer and k/v, each of which is
-        # a parallel region and a GIL round trip that a busy serving process makes slow.
+        # in one indexed copy, not one per layer and k/v (kv_transfer says why it matters).
         # Zeros, not empty: masked-out padding slots are still multiplied by a zero
         # weight, and 0 * NaN from uninitialised memory would poison it.
         self.kv_cache = torch.zeros(
