@@ -11,6 +11,11 @@ from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
 
+# stdout carries the JSON lines alone: whatever else prints to sys.stdout (Ray's driver
+# relays its workers' error messages there, as at serve.shutdown) goes to stderr.
+_JSON_OUT = sys.stdout
+sys.stdout = sys.stderr
+
 
 def git_commit() -> str:
     try:
@@ -24,7 +29,7 @@ def git_commit() -> str:
 
 def emit(metric: str, value: float, unit: str, **context) -> None:
     line = {"metric": metric, "value": round(float(value), 6), "unit": unit, **context}
-    print(json.dumps(line), flush=True)
+    print(json.dumps(line), file=_JSON_OUT, flush=True)
 
 
 def log(message: str) -> None:

@@ -37,7 +37,7 @@ from service_helpers import (
     _holds,
     _scrape,
     _snapshots,
-    _wait_all_blocks_free,
+    _wait_idle,
     _wait_prefill_exports_freed,
     _wait_until_known,
     wait_for,
@@ -278,19 +278,25 @@ def test_a_prefix_decode_holds_is_not_transferred_again(disagg):
     assert _decode_stats()["handoff"]["blocks_received"] == after["blocks_received"]
 
 
+def _decode_tokens() -> int:
+    return _decode_stats()["engine"]["num_generated_tokens"]
+
+
 def test_a_grpc_stream_cancelled_mid_stream_stops_generating_and_frees_its_blocks(disagg):
-    _wait_all_blocks_free()
-    before = _decode_stats()["engine"]["num_generated_tokens"]
+    _wait_idle()
+    before = _decode_tokens()
     stream = disagg.generate(_greedy("Count to a thousand:", max_tokens=400, ignore_eos=True))
     for _, _ in zip(range(3), stream, strict=False):
         pass
     stream.cancel()
-    _wait_all_blocks_free()
+    _wait_idle()
     # Cancelled, not run to max_tokens: the cancel reached the decode engine.
-    assert _decode_stats()["engine"]["num_generated_tokens"] - before < 400
+    assert _decode_tokens() - before < 400
 
 
 def test_exports_free_at_import_and_cancels_and_deadlines_free_the_blocks(service, disagg):
+    _wait_idle()
+    before = _decode_tokens()
     # Mid-stream, over HTTP: the openai client closes its SSE stream.
     client = openai.OpenAI(base_url=f"{service['http']}/disagg/v1", api_key="unused")
     (model,) = [m.id for m in client.models.list()]
@@ -307,11 +313,15 @@ def test_exports_free_at_import_and_cancels_and_deadlines_free_the_blocks(servic
     # Imported, so the prefill ranks have freed the export though the request goes on.
     _wait_prefill_exports_freed()
     stream.close()
+    _wait_idle()
+    assert _decode_tokens() - before < 400  # the close reached the decode engine
+    before = _decode_tokens()
     with pytest.raises(grpc.RpcError) as err:
         long = _greedy("Tell me a long story.", max_tokens=400, ignore_eos=True)
         disagg.generate_unary(long, timeout=1.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_all_blocks_free()
+    _wait_idle()
+    assert _decode_tokens() - before < 400  # so did the deadline
 
 
 BAD_GRPC = [
@@ -493,3 +503,14 @@ def test_losing_the_prefix_registry_costs_routing_hints_not_requests(disagg, smo
         # Replicas resend their cache with an engine step: give them steps to take.
         disagg.generate_unary(_greedy(f"{prompt} Again at {time.monotonic()}.", max_tokens=2))
         time.sleep(1)
+
+
+def test_every_pool_gets_all_its_blocks_back(service):
+    """Last: after every request of the module, cancelled and refused ones too."""
+    snaps = _wait_idle()
+    assert {s["role"] for s in snaps} == {"prefill", "decode", "aggregated"}
+    assert {s["dtype"] for s in snaps} == {"float32"}  # auto, on CPU
+    assert {(s["role"], s["tensor_parallel_size"]) for s in snaps if s["app"] == "disagg"} == {
+        ("prefill", 3),
+        ("decode", 1),
+    }
