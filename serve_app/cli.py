@@ -7,6 +7,9 @@ baton status [--json]                                   pools, replicas, KV, hit
 baton stop                                              remove the service (and the Ray it started)
 baton drain --deadline-s S                              move this node's replicas away
 baton generate --local "prompt"                         no service: an in-process engine
+
+`--app NAME` on serve, generate, scale, status and stop names the Serve application, for
+a cluster that runs several (default: the one application `baton serve` deploys).
 """
 
 from __future__ import annotations
@@ -34,11 +37,25 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
 
 
+def _add_app_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--app",
+        default=None,
+        help="the Serve application, where the cluster runs several (default: baton)",
+    )
+
+
+def _app_name(args: argparse.Namespace) -> dict[str, str]:
+    """The `app_name` keyword for service_ops, where --app names one."""
+    return {"app_name": args.app} if args.app else {}
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Baton LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion and stream it to stdout")
+    _add_app_arg(gen)
     gen.add_argument("prompt", help="the prompt, or the user message with --chat")
     gen.add_argument("--chat", action="store_true", help="render PROMPT with the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
@@ -94,19 +111,29 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=9000)
+    _add_app_arg(serve)
+    serve.add_argument(
+        "--route-prefix",
+        default=None,
+        help="where the HTTP API lives (default: / for the default application, /NAME "
+        "for --app NAME)",
+    )
 
     scale = sub.add_parser("scale", help="set one pool's replica count, without downtime")
     scale.add_argument("pool", choices=["prefill", "decode", "aggregated"])
     scale.add_argument("replicas", type=int)
+    _add_app_arg(scale)
 
     status = sub.add_parser("status", help="pools, replicas, queues, KV usage, prefix hits")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_app_arg(status)
 
-    sub.add_parser(
+    stop = sub.add_parser(
         "stop",
         help="remove the service; Serve too if nothing else runs on it, and Ray if "
         "`baton serve` started it on this machine",
     )
+    _add_app_arg(stop)
 
     drain = sub.add_parser(
         "drain",
@@ -209,7 +236,8 @@ def _generate_remote(args: argparse.Namespace, messages: list[dict] | None) -> i
         args.prompt if messages is None else None, messages=messages, **sampling
     )
     last = None
-    with BatonClient(args.address, api_key=args.api_key) as client:
+    client_args = {"application": args.app} if args.app else {}
+    with BatonClient(args.address, api_key=args.api_key, **client_args) as client:
         try:
             for last in client.generate(request):
                 _write(last.text)
@@ -239,11 +267,16 @@ def _serve(args: argparse.Namespace) -> int:
     validate(config)  # before a Ray head is started for a config that cannot deploy
     service_ops.connect(args.address, start_if_missing=True)
     log.info("deploying (%s mode); the first start loads the model", config.mode)
-    service_ops.deploy(config, http_port=args.http_port, grpc_port=args.grpc_port)
+    where = _app_name(args)
+    if args.app or args.route_prefix:
+        where["route_prefix"] = args.route_prefix or f"/{args.app}"
+    service_ops.deploy(config, http_port=args.http_port, grpc_port=args.grpc_port, **where)
     log.info(
-        "serving: gRPC localhost:%d (baton.v1.Baton), OpenAI HTTP http://localhost:%d/v1",
+        "serving: gRPC localhost:%d (baton.v1.Baton%s), OpenAI HTTP http://localhost:%d%s/v1",
         args.grpc_port,
+        f", metadata application={args.app}" if args.app else "",
         args.http_port,
+        where.get("route_prefix", "/").rstrip("/"),
     )
     return 0
 
@@ -252,7 +285,7 @@ def _scale(args: argparse.Namespace) -> int:
     from serve_app import service_ops
 
     service_ops.connect()
-    service_ops.scale(args.pool, args.replicas)
+    service_ops.scale(args.pool, args.replicas, **_app_name(args))
     log.info("%s pool scaled to %d replicas", args.pool, args.replicas)
     return 0
 
@@ -261,7 +294,7 @@ def _status(args: argparse.Namespace) -> int:
     from serve_app import service_ops
 
     service_ops.connect()
-    report = service_ops.status()
+    report = service_ops.status(**_app_name(args))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -308,7 +341,7 @@ def _stop(args: argparse.Namespace) -> int:
     from serve_app import service_ops
 
     service_ops.connect()
-    stopped = service_ops.stop()
+    stopped = service_ops.stop(**_app_name(args))
     if not stopped.app_deleted:
         log.info("no Baton application was deployed")
     if stopped.apps_left:

@@ -3,7 +3,10 @@ running service (the status board, a pool's stats, Ray's Prometheus endpoint).""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -29,6 +32,18 @@ def _leftovers() -> list[str]:
 
     groups = placement_group_table().values()
     return [f"placement group {g['bundles']}" for g in groups if g["state"] != "REMOVED"]
+
+
+def baton(*args: str) -> subprocess.CompletedProcess:
+    """The `baton` command as an operator runs it, joining this process's Ray cluster."""
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    return subprocess.run(
+        [sys.executable, "-m", "serve_app.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def wait_for(predicate, what: str, timeout_s: float = 180.0, poll_s: float = 0.5):

@@ -196,3 +196,25 @@ def test_local_generation_with_speculation_writes_the_same_text(model_dir, capsy
 def test_engine_settings_need_local(flag, capsys):
     assert main(["generate", *flag, "Hello"]) == 2
     assert "--speculative-tokens need --local" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "where"),
+    [
+        ([], {}),
+        (["--app", "chat"], {"app_name": "chat", "route_prefix": "/chat"}),
+        (["--app", "chat", "--route-prefix", "/c"], {"app_name": "chat", "route_prefix": "/c"}),
+        (["--route-prefix", "/v2"], {"route_prefix": "/v2"}),
+    ],
+)
+def test_serve_deploys_the_named_application_under_its_route_prefix(
+    model_dir, monkeypatch, flags, where
+):
+    from serve_app import service_ops
+
+    deployed = []
+    monkeypatch.setattr(service_ops, "connect", lambda *a, **k: None)
+    monkeypatch.setattr(service_ops, "deploy", lambda config, **kw: deployed.append(kw))
+    assert main(["serve", "--model", str(model_dir), *flags]) == 0
+    (kwargs,) = deployed
+    assert {k: kwargs[k] for k in ("app_name", "route_prefix") if k in kwargs} == where

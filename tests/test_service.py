@@ -40,6 +40,7 @@ from service_helpers import (
     _wait_idle,
     _wait_prefill_exports_freed,
     _wait_until_known,
+    baton,
     wait_for,
 )
 
@@ -418,7 +419,9 @@ def test_scaling_prefill_during_traffic_fails_nothing_and_the_new_replica_serves
         return [s for s in _snapshots() if (s["app"], s["role"]) == ("disagg", "prefill")]
 
     try:
-        service_ops.scale("prefill", 2, app_name="disagg")
+        scaled = baton("scale", "prefill", "2", "--app", "disagg")
+        assert scaled.returncode == 0, scaled.stderr
+        assert "prefill pool scaled to 2 replicas" in scaled.stderr
         # Traffic goes on until both replicas have computed some of it.
         wait_for(
             lambda: [s["engine"]["num_steps"] > 0 for s in prefill_replicas()] == [True] * 2,
@@ -472,10 +475,9 @@ def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
 
 
 def test_status_shows_each_replicas_role_dtype_and_tp(service):
-    from serve_app.cli import _status_lines
-
-    report = service_ops.status("disagg")
-    text = "\n".join(_status_lines(report))
+    shown = baton("status", "--app", "disagg")
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout
     assert "application disagg: RUNNING" in text
     assert re.search(r"^  prefill +\S+ +float32 tp3 ", text, re.MULTILINE), text
     assert re.search(r"^  decode +\S+ +float32 tp1 ", text, re.MULTILINE), text

@@ -50,13 +50,13 @@ def _long(prompt: str):
     return generate_request(prompt, max_tokens=LONG, temperature=0.0, ignore_eos=True)
 
 
-def _stream_to_end(address: str, prompt: str) -> int | grpc.StatusCode:
+def _stream_to_end(address: str, prompt: str) -> int | tuple[grpc.StatusCode, str]:
     """The stream's completion tokens, or the status code it failed with."""
     with BatonClient(address, application=APP) as client:
         try:
             return sum(len(m.token_ids) for m in client.generate(_long(prompt)))
         except grpc.RpcError as e:
-            return e.code()
+            return e.code(), e.details()
 
 
 def test_a_full_service_refuses_at_once_and_serves_what_it_admitted(small):
@@ -82,10 +82,13 @@ def test_a_full_service_refuses_at_once_and_serves_what_it_admitted(small):
         results = [f.result(timeout=300) for f in others]
         assert admitted.result(timeout=300) == LONG
 
-    refused = [r for r in results if r == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    refused = [r[1] for r in results if isinstance(r, tuple)]
+    assert {r[0] for r in results if isinstance(r, tuple)} <= {grpc.StatusCode.RESOURCE_EXHAUSTED}
     served = [r for r in results if r == LONG]
     # One waits in the router's queue and is served after the first; the rest are refused.
     assert (len(refused), len(served)) == (3, 1), results
+    # Each refusal says why in one line, with no traceback.
+    assert all(d and "\n" not in d and "Traceback" not in d for d in refused), refused
     with BatonClient(small["grpc"], application=APP) as client:
         reply = client.generate_unary(generate_request("Hi", max_tokens=2, temperature=0.0))
     assert reply.usage.completion_tokens == 2
