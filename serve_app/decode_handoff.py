@@ -194,8 +194,14 @@ class DecodeHandoff:
                     stale_tries += 1
                     self.stats.num_stale_retries += 1
                     have = e.num_cached_blocks
-                    # The next export starts earlier: it is that much larger.
-                    await reserved.resize(self._handoff_bytes(len(prompt), have))
+                    # The next export starts earlier, so it is larger. Its bytes are taken
+                    # anew, in line: holding these while waiting for more would deadlock
+                    # with another retrying request doing the same. The unused export goes
+                    # too, so that prefill frees it during the wait.
+                    del result, response
+                    reserved.release()
+                    if stale_tries <= _MAX_STALE_RETRIES:
+                        await reserved.take(self._handoff_bytes(len(prompt), have))
                     continue
                 except KVTransferError as e:
                     # The prefill replica died since it answered, or this transport
@@ -208,6 +214,7 @@ class DecodeHandoff:
                         transport = OBJECT_STORE
                         self.stats.num_transfer_retries += 1
                         continue
+                    del result, response  # not pinned through the recompute
                     reserved.release()
                     async for out in self._recompute(request, e, have):
                         yield out
@@ -302,16 +309,6 @@ class _Reservation:
     async def take(self, nbytes: int) -> None:
         await self.budget.acquire(nbytes)
         self.nbytes = nbytes
-
-    async def resize(self, nbytes: int) -> None:
-        """Holds `nbytes` instead (waiting for room if it grows)."""
-        if nbytes > self.nbytes:
-            more = nbytes - self.nbytes
-            await self.budget.acquire(more)
-            self.nbytes = nbytes
-        elif nbytes < self.nbytes:
-            self.budget.release(self.nbytes - nbytes)
-            self.nbytes = nbytes
 
     def release(self) -> None:
         if self.nbytes:

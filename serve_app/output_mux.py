@@ -52,7 +52,8 @@ class SubscriptionLost(RuntimeError):
 class OutputChannel:
     """One router's outputs on one replica, waiting for its subscription to send them."""
 
-    def __init__(self) -> None:
+    def __init__(self, subscription_id: str | None = None) -> None:
+        self.subscription_id = subscription_id
         self._pending: dict[str, list[RequestOutput]] = {}
         self._ready = asyncio.Event()
         self.num_requests = 0  # muxed requests still producing outputs
@@ -117,7 +118,7 @@ class OutputChannels:
             channel.num_requests += 1
             self.totals.num_muxed_requests += 1
             try:
-                yield StreamStart(self.replica_id, muxed=True)
+                yield StreamStart(self.replica_id, True, channel.subscription_id)
                 async for out in outputs:
                     channel.put(out)
             finally:
@@ -136,7 +137,7 @@ class OutputChannels:
             return
         if sub.router_id in self._channels:
             return  # the router has one here already: this duplicate just ends
-        channel = self._channels[sub.router_id] = OutputChannel()
+        channel = self._channels[sub.router_id] = OutputChannel(sub.subscription_id)
         self.totals.num_subscriptions += 1
         try:
             while (batch := await channel.next_batch(self.idle_s)) is not None:
@@ -162,6 +163,7 @@ class OutputDemux:
         self.router_id = uuid.uuid4().hex
         self._subscribe = subscribe
         self._subscriptions: dict[str, asyncio.Task] = {}
+        self._subscription_ids: dict[str, str] = {}  # replica id -> its subscription's
         self._queues: dict[str, tuple[str, asyncio.Queue]] = {}  # request id -> replica, queue
 
     @property
@@ -191,7 +193,9 @@ class OutputDemux:
                 async for out in call:
                     yield out
                 return
-            if start.replica_id not in self._subscriptions:
+            current = self._subscription_ids.get(start.replica_id)
+            if current is None or start.subscription_id not in (None, current):
+                # Its outputs went to a subscription that has ended: they are lost.
                 raise SubscriptionLost(f"no subscription to replica {start.replica_id}")
             self._queues[request_id] = (start.replica_id, queue)
             watcher = asyncio.ensure_future(_watch_end(call, queue))
@@ -213,12 +217,14 @@ class OutputDemux:
 
     def _ensure_subscription(self, replica_id: str) -> None:
         if replica_id not in self._subscriptions:
-            task = asyncio.ensure_future(self._run_subscription(replica_id))
-            self._subscriptions[replica_id] = task
+            sub = Subscription(self.router_id, replica_id, uuid.uuid4().hex)
+            self._subscription_ids[replica_id] = sub.subscription_id
+            self._subscriptions[replica_id] = asyncio.ensure_future(self._run_subscription(sub))
 
-    async def _run_subscription(self, replica_id: str) -> None:
+    async def _run_subscription(self, sub: Subscription) -> None:
+        replica_id = sub.replica_id
         error: BaseException = SubscriptionLost(f"the subscription to replica {replica_id} ended")
-        call = self._subscribe(Subscription(self.router_id, replica_id))
+        call = self._subscribe(sub)
         ended = False  # by the replica: its channel is gone with it
         try:
             if await anext(call) != replica_id:
@@ -239,7 +245,7 @@ class OutputDemux:
                 # Whatever broke on this side, the replica must drop its channel too, so
                 # that it stops sending this router's outputs where nobody reads them.
                 call.cancel()
-            del self._subscriptions[replica_id]
+            del self._subscriptions[replica_id], self._subscription_ids[replica_id]
             for replica, queue in self._queues.values():
                 if replica == replica_id:
                     queue.put_nowait(error)

@@ -45,14 +45,20 @@ class StreamStart:
 
     replica_id: str
     muxed: bool
+    # A muxed call's subscription: the router checks that it is the one it has, not an
+    # earlier one to the same replica that ended meanwhile with this call's outputs.
+    # None from a replica of an earlier release (mid rolling upgrade): not checked.
+    subscription_id: str | None = None
 
 
 @dataclass(frozen=True)
 class Subscription:
-    """A router's subscribe call, pinned by the request router to `replica_id`."""
+    """A router's subscribe call, pinned by the request router to `replica_id`;
+    `subscription_id` tells this call from the router's earlier ones to that replica."""
 
     router_id: str
     replica_id: str
+    subscription_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,32 @@ def test_a_prefill_only_stream_hands_off_to_a_second_engine_through_call(model_d
     asyncio.run(main())
 
 
+def test_an_import_that_fails_in_the_engine_fails_the_engine_not_only_its_request(model_dir):
+    # A failing block copy (a dead TP rank, a bug) leaves the engine half-updated: blocks
+    # allocated to a request that neither waits nor runs. It is the engine's failure,
+    # raised in its step, so the replica is replaced rather than left holding them.
+    prompt = random_prompts(1, seed=3)[0]
+
+    async def main():
+        prefill, decode = AsyncEngine(_engine(model_dir)), AsyncEngine(_engine(model_dir))
+        try:
+            [o async for o in prefill.generate("r", prompt, GREEDY, prefill_only=True)]
+            handle, parts = await prefill.call(lambda e: e.export_kv("r"))
+
+            def broken(*args):
+                raise RuntimeError("rank 1 died mid-copy")
+
+            decode.engine.runner.import_blocks = broken
+            with pytest.raises(EngineDeadError, match="rank 1 died mid-copy"):
+                [o async for o in decode.generate_prefilled("r", prompt, GREEDY, handle, parts)]
+            assert not decode.is_healthy()
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    asyncio.run(main())
+
+
 @pytest.mark.slow
 def test_tp_decode_ranks_pull_the_handoff_the_export_is_freed_at_import_a_cancel_frees_it(
     ray_cluster, model_dir

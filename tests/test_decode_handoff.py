@@ -5,6 +5,7 @@ test_service*.py)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -355,3 +356,47 @@ class _StaleThenFailed(AsyncEngine):
             yield
 
         return failed()
+
+
+class _StaleTogether(AsyncEngine):
+    """Each request's first import finds the prefix gone, once every one of `together`
+    requests has reached its import: all then hold their first bytes of the budget."""
+
+    together = 2
+
+    def generate_prefilled(self, request_id, *args, **kw):
+        if request_id in self.went_stale:
+            return super().generate_prefilled(request_id, *args, **kw)
+        self.went_stale.add(request_id)
+
+        async def stale():
+            while len(self.went_stale) < self.together:
+                await asyncio.sleep(0.005)
+            raise StalePrefixError("the prefix went", 0)
+            yield
+
+        return stale()
+
+
+def test_concurrent_stale_retries_take_their_larger_budget_anew_and_all_finish(model_dir):
+    async def main():
+        prefill = AsyncEngine(_engine(model_dir))
+        decode = _StaleTogether(_engine(model_dir))
+        decode.went_stale = set()
+        try:
+            want = [t for o in await _collect(prefill, "alone", PROMPT) for t in o.new_token_ids]
+            await _collect(decode, "cache", PROMPT)  # decode holds the two full blocks
+            handoff = _handoff(decode, _LivePrefillPool(prefill))  # room for 3 blocks
+            # Each asks for its last block (1 of 3), then, stale, for all 3: holding the
+            # first while waiting for 2 more, the two would wait on each other for ever.
+            requests = [replace(_request(decode, PROMPT), request_id=f"r{i}") for i in range(2)]
+            streams = [_tokens(handoff.generate(r)) for r in requests]
+            got = await asyncio.wait_for(asyncio.gather(*streams), 60)
+            assert got == [want, want]
+            assert handoff.stats.num_stale_retries == 2 and handoff.stats.num_handoffs == 2
+            assert handoff.budget.used == 0
+        finally:
+            for engine in (prefill, decode):
+                await engine.shutdown()
+
+    asyncio.run(main())

@@ -331,8 +331,8 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
                 b_handle, b_parts = export("b", two_blocks)
                 b_parts = decode.prefetch_kv(b_parts)
                 decode.add_prefilled_request("b", two_blocks, params, b_handle, b_parts)
-                staged["all_cached"] = settled()
                 drain()
+                staged["all_cached"] = settled()
 
                 # An import waiting for blocks that is aborted drops its pull.
                 decode.add_request("filler", list(range(3, 53)), params)

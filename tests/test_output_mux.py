@@ -99,10 +99,12 @@ class Service:
         self.engine = Engine()
         self.channels = OutputChannels("replica-a", idle_s=idle_s)
         self.subscriptions: list[Call] = []
+        self.subs: list[Subscription] = []  # what each subscribe call asked for
 
         def subscribe(sub: Subscription) -> Call:
             call = Call((elsewhere or self.channels).subscribe(sub))
             self.subscriptions.append(call)
+            self.subs.append(sub)
             return call
 
         self.demux = OutputDemux(subscribe)
@@ -268,6 +270,33 @@ def test_a_lost_subscription_fails_the_requests_it_carried_on_both_sides():
     asyncio.run(main())
 
 
+def test_a_muxed_start_naming_an_ended_subscription_fails_instead_of_waiting_for_ever():
+    # The request registers; its subscription fails before its StreamStart arrives (its
+    # outputs went to that subscription's channel, now gone); another request opens a new
+    # subscription to the same replica; then the StreamStart arrives.
+    async def main():
+        svc = await _muxed_service()
+        (ended,) = svc.subs
+        started = asyncio.get_running_loop().create_future()
+
+        async def late_call():
+            await started
+            yield StreamStart("replica-a", True, ended.subscription_id)
+
+        pending = asyncio.ensure_future(_collect(svc.demux.outputs("late", Call(late_call()))))
+        svc.subscriptions[-1].cancel()
+        await _eventually(lambda: svc.demux.subscribed == set())
+        assert await svc.run_alone("next", 2) == [2]  # on its call: it subscribes anew
+        await svc.subscribed()
+        assert svc.subs[-1].subscription_id != ended.subscription_id
+        started.set_result(None)
+        with pytest.raises(SubscriptionLost):
+            await asyncio.wait_for(pending, 5)
+        assert svc.demux.num_requests == 0
+
+    asyncio.run(main())
+
+
 def test_a_second_subscription_of_one_router_to_one_replica_just_ends():
     async def main():
         channels = OutputChannels("replica-a")
@@ -317,7 +346,7 @@ def test_stream_start_says_where_and_how():
             yield _out("x", [3], finished=True)
 
         items = [item async for item in channels.stream(None, one())]
-        assert items[0] == StreamStart("replica-a", muxed=False)
+        assert items[0] == StreamStart("replica-a", muxed=False, subscription_id=None)
         assert _tokens(items[1:]) == [3]
 
     asyncio.run(main())

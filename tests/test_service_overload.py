@@ -118,9 +118,11 @@ def test_http_clients_get_503_with_retry_after_when_it_is_full(small):
 
     def running() -> int:
         with BatonClient(small["grpc"], application=APP) as client:
-            for _ in client.generate(_long("Tell me about seas.")):
+            total = 0
+            for msg in client.generate(_long("Tell me about seas.")):
+                total += len(msg.token_ids)
                 first_token.set()
-        return 0
+        return total
 
     with urllib.request.urlopen(f"{small['http']}/v1/models", timeout=30) as models:
         (served,) = json.loads(models.read())["data"]
@@ -130,9 +132,12 @@ def test_http_clients_get_503_with_retry_after_when_it_is_full(small):
         assert first_token.wait(120), "the first stream did not start"
         wait_for(lambda: _stats()["mux"]["open_subscriptions"] == 1, "the subscription")
         results = list(pool.map(post, [body] * 4))
-        admitted.result(timeout=300)
+        assert admitted.result(timeout=300) == LONG
     full = [(headers, error) for status, headers, error in results if status == 503]
     assert len(full) == 3, [status for status, _, _ in results]
+    # The one the router queued is served to its end.
+    (ok,) = [reply for status, _, reply in results if status != 503]
+    assert ok["usage"]["completion_tokens"] == LONG, ok
     for headers, error in full:
         assert headers.get("Retry-After") == "1"
         assert "capacity" in error["error"]["message"]

@@ -305,9 +305,12 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         """Decode side: continues a request another engine prefilled, reusing this engine's
-        cached leading blocks and importing the rest. The next `step` outputs the handed-over
-        first token (stop conditions apply: it may finish at once). ValueError when the handle
-        does not fit; StalePrefixError when the export skipped blocks no longer held here."""
+        cached leading blocks and importing the rest. The next `step` (or `ready_outputs`)
+        imports it once blocks are free and outputs the handed-over first token (stop
+        conditions apply: it may finish at once). ValueError when the handle does not fit;
+        StalePrefixError when the export skipped blocks no longer held here. Nothing is
+        imported here: a failing import is the engine's failure, raised where engine
+        failures are (`step`), not a refusal of this request."""
         try:
             seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
             self.imports.add(seq, handle, kv_parts)
@@ -315,7 +318,6 @@ class LLMEngine:
             self.runner.release_prefetched(kv_parts)  # prefetch_kv's pulls will not be used
             raise
         self._requests[request_id] = seq
-        self._admit_imports(time.monotonic())
 
     def prefetch_kv(self, kv_parts: list[KVPart]) -> list[KVPart]:
         """Decode side, callable from any thread while steps run: moves a handoff's blocks
