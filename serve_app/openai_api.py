@@ -10,7 +10,9 @@ every optional field, as in vLLM and SGLang. Every refusal is an `InvalidRequest
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -73,6 +75,9 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]+", re.ASCII)
+
+
 def _check_unsupported(body: dict[str, Any]) -> None:
     for name, (neutral, why) in UNSUPPORTED.items():
         value = body.get(name)
@@ -83,9 +88,21 @@ def _check_unsupported(body: dict[str, Any]) -> None:
             continue
         accepted = " or ".join(json.dumps(v) for v in neutral)
         allowed = f"accepted: {accepted} (or absent)" if accepted else "leave it out"
-        got = json.dumps(value, default=repr)
+        got = json.dumps(_excerpt(value), default=repr)
         got = got if len(got) <= 80 else got[:77] + "..."
         raise InvalidRequestError(f"{name}: {why}; {allowed}, got {got}", param=name)
+
+
+def _excerpt(value: Any, depth: int = 3, items: int = 4) -> Any:
+    """A refused value cut to quote: `depth` levels of `items` entries. Whole, it may be
+    as large as a body and nest nearly as deep as the parser goes, and quoting it would
+    then recurse past Python's limit."""
+    if isinstance(value, dict):
+        entries = itertools.islice(value.items(), items)
+        return {k: _excerpt(v, depth - 1, items) for k, v in entries} if depth else {"...": 0}
+    if isinstance(value, list):
+        return [_excerpt(v, depth - 1, items) for v in value[:items]] if depth else ["..."]
+    return value
 
 
 # The list fields' bounds, checked before a body is parsed into models: parsing a million
@@ -209,12 +226,21 @@ class _Request(_Body):
         return self.seed
 
     def _logit_bias(self) -> dict[int, float]:
-        try:
-            return {int(token): bias for token, bias in self.logit_bias.items()}
-        except ValueError:
-            raise InvalidRequestError(
-                "logit_bias: keys must be token ids (integers, as strings)", param="logit_bias"
-            ) from None
+        # int() alone would also read " 1", "1_0" and non-ASCII digits, and "1" and "01"
+        # would then name one token twice, the second bias silently winning.
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            if not _TOKEN_ID.fullmatch(key):
+                raise InvalidRequestError(
+                    f"logit_bias: keys must be token ids (integers, as strings), got {key!r}",
+                    param="logit_bias",
+                )
+            if int(key) in bias:
+                raise InvalidRequestError(
+                    f"logit_bias: token {int(key)} is named twice", param="logit_bias"
+                )
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(_Request):

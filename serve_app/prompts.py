@@ -81,10 +81,13 @@ class ModelFrontend:
             return list(prompt.token_ids)  # checked with the rest in build_request
         if prompt.messages is not None:
             if not prompt.messages:
-                raise InvalidRequestError("messages must hold at least one message")
+                raise InvalidRequestError(
+                    "messages must hold at least one message", param="messages"
+                )
             if not self.tokenizer.has_chat_template:
                 raise InvalidRequestError(
-                    "messages: this model has no chat template; send a text prompt instead"
+                    "messages: this model has no chat template; send a text prompt instead",
+                    param="messages",
                 )
             roles = {"system", "user", "assistant", "tool", "developer"}
             for i, (role, _) in enumerate(prompt.messages):
@@ -100,7 +103,7 @@ class ModelFrontend:
                 )
             except jinja2.TemplateError as e:  # e.g. the template's raise_exception()
                 raise InvalidRequestError(
-                    f"messages: the model's chat template refused them: {e}"
+                    f"messages: the model's chat template refused them: {e}", param="messages"
                 ) from e
         return self.tokenizer.encode(check_text(prompt.text, "prompt"))
 

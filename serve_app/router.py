@@ -37,6 +37,7 @@ from serve_app.grpc_service import (
     response_from_outputs,
     status_for,
 )
+from serve_app.grpc_servicer import MalformedRequest, decoded
 from serve_app.metrics import RouterMetrics
 from serve_app.openai_responses import (
     ResponseBuilder,
@@ -215,6 +216,7 @@ class Router:
         started = time.perf_counter()
         try:
             self._authorize(_grpc_authorization(grpc_context))
+            request = decoded(request)
             ids = await self._tokenize(prompt_from_proto(request))
             params = params_from_proto(request, self.frontend.room_after(ids))
             ((engine_request, text),) = await self._engine_requests(
@@ -228,33 +230,34 @@ class Router:
             yield out
 
     async def Generate(
-        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+        self, request: pb.GenerateRequest | MalformedRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        rid = request.request_id or uuid.uuid4().hex
+        rid = None
         try:
             async for out in self._proto_outputs(request, grpc_context):
+                # Decoded by now: a malformed request fails before its first output.
+                rid = rid or request.request_id or uuid.uuid4().hex
                 yield response_from_outputs(rid, [out])
         except Exception as e:
             _set_status(grpc_context, e)
             raise
 
     async def GenerateUnary(
-        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+        self, request: pb.GenerateRequest | MalformedRequest, grpc_context: RayServegRPCContext
     ) -> pb.GenerateResponse:
-        rid = request.request_id or uuid.uuid4().hex
         try:
             outputs = [out async for out in self._proto_outputs(request, grpc_context)]
         except Exception as e:
             _set_status(grpc_context, e)
             return pb.GenerateResponse()
-        return response_from_outputs(rid, outputs)
+        return response_from_outputs(request.request_id or uuid.uuid4().hex, outputs)
 
     async def Tokenize(
-        self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
+        self, request: pb.TokenizeRequest | MalformedRequest, grpc_context: RayServegRPCContext
     ) -> pb.TokenizeResponse:
         try:
             self._authorize(_grpc_authorization(grpc_context))
-            ids = await self._tokenize(prompt_from_proto(request))
+            ids = await self._tokenize(prompt_from_proto(decoded(request)))
         except Exception as e:
             _set_status(grpc_context, e)
             return pb.TokenizeResponse()

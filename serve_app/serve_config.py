@@ -30,7 +30,7 @@ ROUTER_NAME = "Router"
 # Services Serve's gRPC proxy registers and routes to the router deployment (a method of
 # the same name answers each RPC). Server reflection is the proxy's own (enable_reflection).
 GRPC_SERVICER_FUNCTIONS = (
-    "serve_app.grpc_api.baton_pb2_grpc.add_BatonServicer_to_server",
+    "serve_app.grpc_servicer.add_baton_servicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 )
 

@@ -62,7 +62,7 @@ def test_penalties_min_p_and_logit_bias_convert_and_default_to_off():
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
     assert (params.repetition_penalty, params.min_p) == (1.25, 0.125)
     assert params.logit_bias == ((3, -100.0), (7, 2.5)) and params.min_tokens == 4
-    with pytest.raises(InvalidRequestError, match=r"repetition_penalty must be in \(0, 10\]"):
+    with pytest.raises(InvalidRequestError, match=r"repetition_penalty must be in \[0.01, 10\]"):
         params_from_proto(pb.GenerateRequest(text="x", repetition_penalty=0.0), room=100)
 
 

@@ -122,10 +122,14 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(model):
     [
         ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
         ("frequency_penalty", float("inf"), "frequency_penalty"),
-        ("repetition_penalty", 0, "repetition_penalty must be in (0, 10]"),
+        ("repetition_penalty", 0, "repetition_penalty must be in [0.01, 10]"),
         ("min_p", 1.5, "min_p must be in [0, 1]"),
         ("logit_bias", {"7": 101}, "logit_bias must map token ids to numbers in [-100, 100]"),
         ("logit_bias", {"seven": 1}, "logit_bias: keys must be token ids"),
+        ("logit_bias", {" 7": 1}, "logit_bias: keys must be token ids"),
+        ("logit_bias", {"1_0": 1}, "logit_bias: keys must be token ids"),
+        ("logit_bias", {"\uff17": 1}, "logit_bias: keys must be token ids"),  # a wide 7
+        ("logit_bias", {"7": 1, "07": -1}, "logit_bias: token 7 is named twice"),
         ("logit_bias", {"7": "1"}, "logit_bias"),
         ("min_tokens", -1, "min_tokens must be an integer in [0, max_tokens=16]"),
     ],
@@ -421,3 +425,18 @@ def test_a_body_is_read_as_json_up_to_its_limit():
             yield b" " * 2**20
 
     assert f"at most {MAX_BODY_BYTES}" in client.post("/", content=chunked()).json()["refused"]
+
+
+def test_a_refused_field_is_quoted_cut_however_deep_it_nests():
+    # Quoted whole, a value nested nearly as deep as the parser takes recursed past
+    # Python's limit: a 500 instead of a 400.
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(InvalidRequestError) as err:
+        parse(CompletionRequest, _completion(tools=deep))
+    assert err.value.param == "tools" and "got [[[" in str(err.value)
+    wide = {f"k{i}": list(range(100)) for i in range(100)}
+    with pytest.raises(InvalidRequestError, match="got ") as err:
+        parse(ChatCompletionRequest, _chat(response_format=wide))
+    assert len(str(err.value)) < 300

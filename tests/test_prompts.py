@@ -132,5 +132,10 @@ def test_a_chat_template_that_refuses_the_messages_is_the_clients_error(tmp_path
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     frontend = ModelFrontend(model_dir, "tiny-id", block_size=4, max_model_len=256)
     assert frontend.tokenize(PromptInput(messages=(("user", "hi"),)))
-    with pytest.raises(InvalidRequestError, match="^messages: .*must start with a user message"):
+    refusal = "^messages: .*must start with a user message"
+    with pytest.raises(InvalidRequestError, match=refusal) as e:
         frontend.tokenize(PromptInput(messages=(("assistant", "hi"),)))
+    assert e.value.param == "messages"
+    with pytest.raises(InvalidRequestError, match="at least one message") as e:
+        frontend.tokenize(PromptInput(messages=()))
+    assert e.value.param == "messages"

@@ -167,6 +167,7 @@ def _probs_logits(probs: list[float]) -> torch.Tensor:
     ("top_p", "kept"),
     [
         (0.01, {1}),  # the top token always survives
+        (1e-50, {1}),  # even where float32 makes top_p 0
         (0.5, {1}),  # its mass alone (0.5) already reaches p
         (0.6, {1, 3}),
         (0.79, {1, 3}),

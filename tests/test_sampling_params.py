@@ -38,8 +38,10 @@ from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_r
         ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
         ("frequency_penalty", -2.01, "frequency_penalty must be in [-2, 2]"),
         ("frequency_penalty", math.nan, "frequency_penalty must be in [-2, 2]"),
-        ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 10]"),
-        ("repetition_penalty", 11.0, "repetition_penalty must be in (0, 10]"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be in [0.01, 10]"),
+        # Smaller ones overflowed float32 in the sampler: NaN probabilities, token 0.
+        ("repetition_penalty", 1e-39, "repetition_penalty must be in [0.01, 10]"),
+        ("repetition_penalty", 11.0, "repetition_penalty must be in [0.01, 10]"),
         ("min_p", -0.1, "min_p must be in [0, 1]"),
         ("min_p", 1.5, "min_p must be in [0, 1]"),
         ("min_tokens", 17, "min_tokens must be an integer in [0, max_tokens=16]"),

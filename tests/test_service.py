@@ -355,6 +355,15 @@ def test_bad_grpc_prompts(disagg):
             disagg.generate_unary(request)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "prompt" in err.value.details()
+    # Bytes that are no GenerateRequest (invalid UTF-8 in its text), streamed or not.
+    for method, call in (("GenerateUnary", "unary_unary"), ("Generate", "unary_stream")):
+        send = getattr(disagg.channel, call)(f"/baton.v1.Baton/{method}")
+        with pytest.raises(grpc.RpcError) as err:
+            reply = send(b"\x12\x02\xff\xfe", metadata=disagg.metadata, timeout=30)
+            list(reply)  # a unary call raised above already
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "not a valid baton.v1.GenerateRequest" in err.value.details()
+    assert disagg.generate_unary(_greedy("Hello", max_tokens=2)).usage.completion_tokens == 2
 
 
 def test_bad_http_input_is_400_naming_the_field(service):

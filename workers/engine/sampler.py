@@ -84,8 +84,9 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=1, descending=True)
     probs = sorted_logits.softmax(dim=1)
     mass_before = probs.cumsum(dim=1) - probs
-    # The most likely token always survives, whatever top_p is.
     drop_sorted = mass_before >= top_p.unsqueeze(1)
+    # The most likely token always survives, even a top_p that float32 rounds to 0.
+    drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

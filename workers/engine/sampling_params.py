@@ -12,6 +12,9 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_REPETITION_PENALTY = 10.0
+# Below this a seen token's positive logit, divided by the penalty, can leave float32's
+# range, and the distribution turns to NaN.
+MIN_REPETITION_PENALTY = 0.01
 # Below this, logits / temperature overflows float32; such requests mean greedy.
 MIN_TEMPERATURE = 1e-5
 # Above this the distribution is as flat as it gets over a model's logits, and far above
@@ -165,9 +168,10 @@ class SamplingParams:
                     f"got {getattr(self, name)!r}",
                     param=name,
                 )
-        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidRequestError(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 = off), "
                 f"got {self.repetition_penalty!r}",
                 param="repetition_penalty",
             )
