@@ -235,11 +235,12 @@ class _Request(_Body):
                     f"logit_bias: keys must be token ids (integers, as strings), got {key!r}",
                     param="logit_bias",
                 )
-            if int(key) in bias:
+            token = int(key)
+            if token in bias:
                 raise InvalidRequestError(
-                    f"logit_bias: token {int(key)} is named twice", param="logit_bias"
+                    f"logit_bias: token {token} is named twice", param="logit_bias"
                 )
-            bias[int(key)] = value
+            bias[token] = value
         return bias
 
 
