@@ -121,6 +121,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     }[kind], message
 
 
+def set_status(grpc_context: grpc.ServicerContext, exc: BaseException) -> None:
+    """The status a failed call answers with. A unary method then returns an empty
+    message: the context travels back with it and Serve's proxy answers with the code set
+    there (raising would too, but makes Serve log a traceback per refused request). A
+    streaming method raises: with no message, no context reaches the proxy."""
+    code, message = status_for(exc)
+    grpc_context.set_code(code)
+    grpc_context.set_details(message)
+
+
 def model_info(
     config: AppConfig,
     served_model_name: str,

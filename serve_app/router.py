@@ -16,10 +16,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
@@ -30,12 +28,13 @@ from serve_app.api_keys import ApiKeys, authorization
 from serve_app.config import AppConfig
 from serve_app.errors import public_error
 from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.grpc_health import HealthService
 from serve_app.grpc_service import (
     model_info,
     params_from_proto,
     prompt_from_proto,
     response_from_outputs,
-    status_for,
+    set_status,
 )
 from serve_app.grpc_servicer import MalformedRequest, decoded
 from serve_app.metrics import RouterMetrics
@@ -59,7 +58,6 @@ from workers.model.loader import model_identity
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "baton.v1.Baton"
 # Prompts longer than this are tokenized on a worker thread, where the tokenizer lets go
 # of the GIL: inline, a megabyte of text would stall every stream this router relays
 # for seconds. Shorter ones stay inline, as the thread hop costs more than they do.
@@ -70,16 +68,6 @@ http_app = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton 
 
 # An unknown path or method answers in OpenAI's error shape, as every other error.
 http_app.add_exception_handler(StarletteHTTPException, openai_http_error)
-
-
-def _set_status(grpc_context: RayServegRPCContext, exc: BaseException) -> None:
-    """The status a failed call answers with. A unary method then returns an empty
-    message: the context travels back with it and Serve's proxy answers with the code set
-    there (raising would too, but makes Serve log a traceback per refused request). A
-    streaming method raises: with no message, no context reaches the proxy."""
-    code, message = status_for(exc)
-    grpc_context.set_code(code)
-    grpc_context.set_details(message)
 
 
 async def _only_choice(
@@ -106,7 +94,7 @@ def _replica_counts() -> dict[str, int]:
 # Helpers sit above the class: Serve pickles the ingress class by value when it is
 # decorated, so names it uses must already exist.
 @serve.ingress(http_app)
-class Router:
+class Router(HealthService):
     def __init__(
         self,
         config: AppConfig,
@@ -239,7 +227,7 @@ class Router:
                 rid = rid or request.request_id or uuid.uuid4().hex
                 yield response_from_outputs(rid, [out])
         except Exception as e:
-            _set_status(grpc_context, e)
+            set_status(grpc_context, e)
             raise
 
     async def GenerateUnary(
@@ -248,7 +236,7 @@ class Router:
         try:
             outputs = [out async for out in self._proto_outputs(request, grpc_context)]
         except Exception as e:
-            _set_status(grpc_context, e)
+            set_status(grpc_context, e)
             return pb.GenerateResponse()
         return response_from_outputs(request.request_id or uuid.uuid4().hex, outputs)
 
@@ -259,7 +247,7 @@ class Router:
             self._authorize(_grpc_authorization(grpc_context))
             ids = await self._tokenize(prompt_from_proto(decoded(request)))
         except Exception as e:
-            _set_status(grpc_context, e)
+            set_status(grpc_context, e)
             return pb.TokenizeResponse()
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
@@ -269,45 +257,10 @@ class Router:
         try:
             self._authorize(_grpc_authorization(grpc_context))
         except Exception as e:
-            _set_status(grpc_context, e)
+            set_status(grpc_context, e)
             return pb.ModelInfo()
         counts = await asyncio.to_thread(_replica_counts)
         return model_info(self.config, self.served_model_name, self.frontend, self.dtypes, counts)
-
-    # -- gRPC: grpc.health.v1.Health ----------------------------------------------------
-
-    def _health(self, service: str) -> int | None:
-        if service in ("", SERVICE_NAME):
-            return health_pb2.HealthCheckResponse.SERVING
-        return None
-
-    async def Check(
-        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
-    ) -> health_pb2.HealthCheckResponse:
-        status = self._health(request.service)
-        if status is None:
-            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
-            grpc_context.set_details(f"unknown service {request.service!r}")
-            return health_pb2.HealthCheckResponse()
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def Watch(
-        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
-    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        # Serving for as long as this replica lives; the stream ends when the client leaves.
-        # Unlike Check (a probe's), it holds one of the router's request slots for as long
-        # as it stays open, so a service with keys asks for one.
-        try:
-            self._authorize(_grpc_authorization(grpc_context))
-        except Exception as e:
-            _set_status(grpc_context, e)
-            raise
-        status = self._health(request.service)
-        yield health_pb2.HealthCheckResponse(
-            status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
-        )
-        while True:
-            await asyncio.sleep(3600)
 
     # -- OpenAI-compatible HTTP -----------------------------------------------------------
 

@@ -31,7 +31,7 @@ ROUTER_NAME = "Router"
 # the same name answers each RPC). Server reflection is the proxy's own (enable_reflection).
 GRPC_SERVICER_FUNCTIONS = (
     "serve_app.grpc_servicer.add_baton_servicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "serve_app.grpc_servicer.add_health_servicer_to_server",
 )
 
 

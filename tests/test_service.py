@@ -167,6 +167,19 @@ def test_health_check_and_server_reflection(service):
     with pytest.raises(grpc.RpcError) as err:
         health.Check(health_pb2.HealthCheckRequest(service="nope.Service"), metadata=meta)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = health.List(health_pb2.HealthListRequest(), metadata=meta).statuses
+    assert {name: s.status for name, s in listed.items()} == {
+        "": health_pb2.HealthCheckResponse.SERVING,
+        "baton.v1.Baton": health_pb2.HealthCheckResponse.SERVING,
+    }
+    # Bytes that are no HealthCheckRequest (invalid UTF-8 in its service name).
+    for method, call in (("Check", "unary_unary"), ("Watch", "unary_stream")):
+        send = getattr(channel, call)(f"/grpc.health.v1.Health/{method}")
+        with pytest.raises(grpc.RpcError) as err:
+            reply = send(b"\x0a\x02\xff\xfe", metadata=meta, timeout=30)  # unary: raises
+            next(reply)  # a stream raises at its first message
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "not a valid grpc.health.v1.HealthCheckRequest" in err.value.details()
 
     # With one application (`baton serve`'s case) a call needs no metadata; here two share
     # the ingress, which routes every call, reflection's too, by its `application`.

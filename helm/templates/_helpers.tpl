@@ -231,7 +231,7 @@ to equality, so a change to one must be made in the other.
       "port" 9000
       "grpc_servicer_functions" (list
         "serve_app.grpc_servicer.add_baton_servicer_to_server"
-        "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server")
+        "serve_app.grpc_servicer.add_health_servicer_to_server")
       "enable_reflection" true)
     "applications" (list (dict
       "name" "baton"
