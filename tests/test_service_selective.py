@@ -121,12 +121,12 @@ def test_local_prefills_are_exported_as_a_metric(client, ray_metrics_port):
 
 
 def test_status_shows_decodes_local_prefills(client):
-    from serve_app.cli import _status_lines
+    from serve_app.status_text import status_lines
 
     client.generate_unary(_greedy("Hi", max_tokens=2))  # short: prefilled on decode
 
     def decode_line() -> str | None:
-        lines = _status_lines(service_ops.status(APP, BOARD))
+        lines = status_lines(service_ops.status(APP, BOARD))
         line = next((x for x in lines if x.startswith("  decode ")), None)
         return line if line and "local prefills" in line else None
 

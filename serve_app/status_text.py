@@ -1,0 +1,44 @@
+"""`baton status`'s text: one line per deployment, then per replica its role, dtype, TP
+degree, load, KV blocks in use, prefix hit rate and handoffs, and its GPUs.
+
+Reports come from `service_ops.status()`, whose replica entries are what each replica
+last posted to the status board: during a rolling upgrade some are an older release's,
+so fields added since are read with a default.
+"""
+
+from __future__ import annotations
+
+
+def _local_prefills(handoff: dict) -> str:
+    # .get: a replica of an older release, mid rolling upgrade, does not count them.
+    n = handoff.get("num_local_prefills", 0)
+    return f", local prefills {n}" if n else ""
+
+
+def status_lines(report: dict) -> list[str]:
+    """`baton status`'s text for a `service_ops.status()` report."""
+    lines = [f"application {report['application']}: {report['status']}"]
+    for name, d in report["deployments"].items():
+        lines.append(f"  {name:<14} {d['status']:<10} replicas {d['replicas']}")
+    for r in report["replicas"]:
+        e = r["engine"]
+        used = e["num_total_blocks"] - e["num_free_blocks"]
+        lines.append(
+            # .get: a replica of an older release, mid rolling upgrade, posts neither.
+            f"  {r['role']:<10} {r['replica_id']:<10} {r.get('dtype', '?')} "
+            f"tp{r.get('tensor_parallel_size', '?')}  "
+            f"running {e['num_running']:>3} "
+            f"waiting {e['num_waiting']:>3}  KV {used}/{e['num_total_blocks']} blocks  "
+            f"prefix hit rate {e['prefix_cache_hit_rate']:.2f}  "
+            f"handoffs {r['handoff']['num_handoffs']}"
+            f"{_local_prefills(r['handoff'])}"
+        )
+        gpus = r.get("gpus", {})
+        if not gpus.get("available"):
+            lines.append(f"    GPUs: none ({gpus.get('reason', 'not reported')})")
+        for d in gpus.get("devices", []):
+            lines.append(
+                f"    GPU {d['index']} {d['name']}: memory {d['memory_used_bytes'] / 2**30:.1f}"
+                f"/{d['memory_total_bytes'] / 2**30:.1f} GiB, utilization {d['utilization']:.0%}"
+            )
+    return lines
