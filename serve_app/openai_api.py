@@ -2,15 +2,15 @@
 `openai_responses.py`).
 
 Fields the engine cannot honour are refused when set to anything but their neutral value
-(`UNSUPPORTED`), rather than silently ignored; fields OpenAI clients send that do not change
-the output (user, metadata...) are accepted and ignored. JSON null means "the default" for
-every optional field, as in vLLM and SGLang. Every refusal is an `InvalidRequestError` whose
-`param` is the field at fault (the OpenAI error body's `param`).
+(`openai_unsupported.py`), rather than silently ignored, and so is a chat history that
+holds tool calls; fields OpenAI clients send that do not change the output (user,
+metadata...) are accepted and ignored. JSON null means "the default" for every optional
+field, as in vLLM and SGLang. Every refusal is an `InvalidRequestError` whose `param` is
+the field at fault (the OpenAI error body's `param`).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 from dataclasses import replace
@@ -19,6 +19,7 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from serve_app.openai_unsupported import check_unsupported
 from serve_app.prompts import MAX_MESSAGES, PromptInput
 from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import (
@@ -36,73 +37,10 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Choices per request: each is an engine request of its own.
 MAX_CHOICES = 16
 
-_STRUCTURED = "structured output is not supported"
-_TOOLS = "tool calling is not supported"
-# Fields the engine cannot honour: (the values that ask for nothing, why). Absent or null
-# is always accepted; anything else is refused, for a client that sets one expects its
-# effect. parallel_tool_calls is not here: it only matters with tools, which are refused.
-UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "best_of": ((1,), "one candidate per request"),
-    "echo": ((False,), "the prompt is not echoed back"),
-    "suffix": (("",), "insertion (suffix) is not supported"),
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none",), _TOOLS),
-    "functions": (([],), _TOOLS),  # the deprecated form of tools
-    "function_call": (("none",), _TOOLS),
-    "response_format": (({"type": "text"},), _STRUCTURED),
-    # vLLM's structured-output extensions: no neutral value.
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED),
-    # Other vLLM extensions that would change the output.
-    "use_beam_search": ((False,), "beam search is not supported"),
-    "include_stop_str_in_output": ((False,), "a stop string is never part of the output"),
-    "allowed_token_ids": ((), "restricting the vocabulary is not supported; use logit_bias"),
-    "bad_words": (([],), "bad_words is not supported; use logit_bias"),
-    "prompt_logprobs": ((), "prompt logprobs are not returned"),
-    "truncate_prompt_tokens": ((), "prompts are never truncated; shorten the prompt"),
-    "add_generation_prompt": ((True,), "the generation prompt is always added"),
-    "continue_final_message": ((False,), "a final assistant message is never continued"),
-    "chat_template": ((), "a request cannot bring its own chat template"),
-    "chat_template_kwargs": (({},), "the chat template takes no arguments"),
-    "spaces_between_special_tokens": ((True,), "special tokens are always spaced"),
-    "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),
-    # OpenAI's audio output.
-    "modalities": ((["text"],), "only text is generated"),
-    "audio": ((), "audio output is not supported"),
-}
-
-
-_TOKEN_ID = re.compile(r"-?[0-9]+", re.ASCII)
-
-
-def _check_unsupported(body: dict[str, Any]) -> None:
-    for name, (neutral, why) in UNSUPPORTED.items():
-        value = body.get(name)
-        # True == 1 in Python; a boolean is never an accepted number here.
-        if value is None or any(
-            value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral
-        ):
-            continue
-        accepted = " or ".join(json.dumps(v) for v in neutral)
-        allowed = f"accepted: {accepted} (or absent)" if accepted else "leave it out"
-        got = json.dumps(_excerpt(value), default=repr)
-        got = got if len(got) <= 80 else got[:77] + "..."
-        raise InvalidRequestError(f"{name}: {why}; {allowed}, got {got}", param=name)
-
-
-def _excerpt(value: Any, depth: int = 3, items: int = 4) -> Any:
-    """A refused value cut to quote: `depth` levels of `items` entries. Whole, it may be
-    as large as a body and nest nearly as deep as the parser goes, and quoting it would
-    then recurse past Python's limit."""
-    if isinstance(value, dict):
-        entries = itertools.islice(value.items(), items)
-        return {k: _excerpt(v, depth - 1, items) for k, v in entries} if depth else {"...": 0}
-    if isinstance(value, list):
-        return [_excerpt(v, depth - 1, items) for v in value[:items]] if depth else ["..."]
-    return value
+# A token id as a logit_bias key: ASCII digits, at most int64's 19 (more would only be
+# refused later, after Python's int() had spent time on thousands of digits or refused
+# them itself).
+_TOKEN_ID = re.compile(r"-?[0-9]{1,19}", re.ASCII)
 
 
 # The list fields' bounds, checked before a body is parsed into models: parsing a million
@@ -168,7 +106,7 @@ class _Request(_Body):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            _check_unsupported(data)
+            check_unsupported(data)
             _check_sizes(data)
         return data
 
