@@ -76,6 +76,18 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: usage in every chunk. Not offered, so refused rather than ignored.
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_continuous_usage(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise InvalidRequestError(
+                "stream_options.continuous_usage_stats: usage is sent once, in the last "
+                "chunk (include_usage); accepted: false (or absent)",
+                param="stream_options.continuous_usage_stats",
+            )
+        return self
 
 
 class _Request(_Body):
@@ -170,7 +182,8 @@ class _Request(_Body):
         for key, value in self.logit_bias.items():
             if not _TOKEN_ID.fullmatch(key):
                 raise InvalidRequestError(
-                    f"logit_bias: keys must be token ids (integers, as strings), got {key!r}",
+                    "logit_bias: keys must be token ids (integers of at most 19 digits, as "
+                    f"strings), got {key if len(key) <= 24 else key[:21] + '...'!r}",
                     param="logit_bias",
                 )
             token = int(key)
@@ -183,18 +196,24 @@ class _Request(_Body):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str]
+    # One prompt: text, token ids, or either as a batch of one (as lm-eval and others send).
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
 
     def prompt_input(self) -> PromptInput:
         if isinstance(self.prompt, str):
             return PromptInput(text=self.prompt)
-        if self.prompt and all(isinstance(p, str) for p in self.prompt):
+        if self.prompt and not isinstance(self.prompt[0], int):
             if len(self.prompt) != 1:
                 raise InvalidRequestError(
-                    "prompt: send one prompt per request (a list of one string)", param="prompt"
+                    "prompt: send one prompt per request (a batch of one: one string or one "
+                    f"array of token ids), got {len(self.prompt)}",
+                    param="prompt",
                 )
-            return PromptInput(text=self.prompt[0])
+            (one,) = self.prompt
+            if isinstance(one, str):
+                return PromptInput(text=one)
+            return PromptInput(token_ids=tuple(one))
         return PromptInput(token_ids=tuple(self.prompt))
 
     def sampling_params(self, room: int) -> SamplingParams:
@@ -211,6 +230,27 @@ class CompletionRequest(_Request):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    # An assistant turn's calls, read only to refuse them: chat templates render them in
+    # ways of their own, or drop them, and tools are refused anyway.
+    tool_calls: list[Any] = Field(default_factory=list)
+    function_call: dict[str, Any] | None = None
+
+    def check(self, index: int) -> None:
+        """InvalidRequestError naming the field when this turn is not plain text."""
+        for name in ("tool_calls", "function_call"):
+            if getattr(self, name):
+                where = f"messages.{index}.{name}"
+                raise InvalidRequestError(
+                    f"{where}: tool calling is not supported, so a history cannot hold tool "
+                    "calls; send what they returned as text",
+                    param=where,
+                )
+        if self.content is None and self.role != "assistant":
+            where = f"messages.{index}.content"
+            raise InvalidRequestError(
+                f"{where}: a {self.role} message needs content (only an assistant's may be null)",
+                param=where,
+            )
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -236,6 +276,12 @@ class ChatCompletionRequest(_Request):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs: true", param="top_logprobs")
+        return self
+
+    @model_validator(mode="after")
+    def _messages_are_text(self) -> ChatCompletionRequest:
+        for i, message in enumerate(self.messages):
+            message.check(i)
         return self
 
     def prompt_input(self) -> PromptInput:
@@ -277,7 +323,7 @@ _FIELDS = {
 # What a union field takes, said once (pydantic would name one alternative's error).
 _UNION_TYPES = {
     "stop": "a string or an array of strings",
-    "prompt": "a string, an array of one string or an array of token ids",
+    "prompt": "a string, an array of token ids, or an array of one of either",
     "content": "a string or an array of text parts",
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -13,9 +13,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.errors import public_error, root_cause
-from workers.engine.errors import InvalidRequestError
+from workers.engine.errors import EngineDeadError, InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
+from workers.engine.sequence import FinishReason
 
 DONE_EVENT = "data: [DONE]\n\n"
 # errors.public_error's kinds, as HTTP statuses and OpenAI error types.
@@ -149,9 +150,10 @@ class ResponseBuilder:
             "usage": usage([outputs[-1] for outputs in choices]),
         }
 
-    def chunk(self, out: RequestOutput, index: int = 0) -> str:
+    def chunk(self, out: RequestOutput, index: int = 0, include_usage: bool = False) -> str:
         """One SSE event for an output of choice `index`; a chat choice's first one also
-        carries the assistant role."""
+        carries the assistant role. With `include_usage` it says `"usage": null`, as
+        OpenAI's chunks before the usage chunk do."""
         choice: dict[str, Any] = {
             "index": index,
             "logprobs": self._logprobs(out.new_logprobs, index),
@@ -164,7 +166,7 @@ class ResponseBuilder:
                 choice["delta"] = {"role": "assistant", **choice["delta"]}
         else:
             choice["text"] = out.new_text
-        return self._event({"choices": [choice]})
+        return self._event({"choices": [choice], **({"usage": None} if include_usage else {})})
 
     def usage_chunk(self, lasts: list[RequestOutput]) -> str:
         return self._event({"choices": [], "usage": usage(lasts)})
@@ -178,6 +180,23 @@ class ResponseBuilder:
             **body,
         }
         return f"data: {json.dumps(obj)}\n\n"
+
+
+async def unaborted(
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) pairs, failing at a choice the server aborted (its replica
+    shut down under it): OpenAI has no finish_reason for an answer cut short, so that is
+    an error, a 503 before the first byte or an error event after it, which a client
+    retries rather than taking the cut answer as whole. Closing it closes `outputs`, so
+    the other choices' calls are cancelled at once."""
+    try:
+        async for index, out in outputs:
+            if out.finish_reason is FinishReason.ABORT:
+                raise EngineDeadError("the replica stopped before the request finished; retry it")
+            yield index, out
+    finally:
+        await outputs.aclose()
 
 
 def http_error(exc: BaseException) -> JSONResponse:
@@ -212,11 +231,11 @@ async def sse_events(
     """The SSE events of a request's choices, from (choice index, output) pairs; an error
     mid-stream (the status line is sent by then) is an error event, then `[DONE]`."""
     lasts = {first[0]: first[1]}
-    yield builder.chunk(first[1], first[0])
+    yield builder.chunk(first[1], first[0], include_usage)
     try:
         async for index, out in rest:
             lasts[index] = out
-            yield builder.chunk(out, index)
+            yield builder.chunk(out, index, include_usage)
     except Exception as e:  # mid-stream: the status line is sent, so an error event
         kind, message = public_error(e)
         body = error_body(message, HTTP_ERROR_TYPE.get(kind, kind))

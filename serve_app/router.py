@@ -44,6 +44,7 @@ from serve_app.openai_responses import (
     http_error,
     openai_http_error,
     sse_events,
+    unaborted,
 )
 from serve_app.output_mux import OutputDemux
 from serve_app.prefix_registry import PrefixRegistryConfig, RegistryLookup
@@ -338,7 +339,9 @@ class Router(HealthService):
         outputs = self.metrics.request(
             "http",
             started,
-            merge_streams([self._outputs(request, text, "http") for request, text in choices]),
+            unaborted(
+                merge_streams([self._outputs(request, text, "http") for request, text in choices])
+            ),
         )
         try:
             # The first output before answering: an engine's refusal is still a 4xx.

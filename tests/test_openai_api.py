@@ -17,6 +17,7 @@ from serve_app.openai_api import (
     parse,
 )
 from serve_app.openai_responses import error_body
+from serve_app.prompts import PromptInput
 from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import SamplingParams, check_request
 
@@ -128,6 +129,9 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(model):
         ("logit_bias", {" 7": 1}, "logit_bias: keys must be token ids"),
         ("logit_bias", {"1_0": 1}, "logit_bias: keys must be token ids"),
         ("logit_bias", {"\uff17": 1}, "logit_bias: keys must be token ids"),  # a wide 7
+        # Past Python's int() digit limit (a 500 once); quoted cut.
+        ("logit_bias", {"9" * 4301: 1}, "got '999999999999999999999...'"),
+        ("logit_bias", {"1" + "0" * 19: 1}, "at most 19 digits"),
         ("logit_bias", {"7": 1, "07": -1}, "logit_bias: token 7 is named twice"),
         ("logit_bias", {"7": "1"}, "logit_bias"),
         ("min_tokens", -1, "min_tokens must be an integer in [0, max_tokens=16]"),
@@ -149,9 +153,12 @@ def test_null_means_the_default_for_every_optional_field():
     chat_only = dict.fromkeys(
         ["max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format"]
     )
-    nulls = {"role": "user", "content": None, "name": None}
-    chat = parse(ChatCompletionRequest, {**_chat(), **common, **chat_only, "messages": [nulls]})
-    assert chat.prompt_input().messages == (("user", ""),)
+    nulls = [
+        {"role": "user", "content": "q", "name": None, "tool_calls": None},
+        {"role": "assistant", "content": None, "function_call": None},
+    ]
+    chat = parse(ChatCompletionRequest, {**_chat(), **common, **chat_only, "messages": nulls})
+    assert chat.prompt_input().messages == (("user", "q"), ("assistant", ""))
     assert chat.sampling_params(room=50) == parse(ChatCompletionRequest, _chat()).sampling_params(
         room=50
     )
@@ -243,6 +250,15 @@ def test_stream_options_need_a_stream():
     assert not parse(ChatCompletionRequest, _chat(stream=True)).include_usage()
 
 
+def test_vllms_usage_in_every_chunk_is_refused_not_ignored():
+    off = {"include_usage": True, "continuous_usage_stats": False}
+    assert parse(CompletionRequest, _completion(stream=True, stream_options=off)).include_usage()
+    on = {"continuous_usage_stats": True}
+    with pytest.raises(InvalidRequestError, match="accepted: false") as err:
+        parse(CompletionRequest, _completion(stream=True, stream_options=on))
+    assert err.value.param == "stream_options.continuous_usage_stats"
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "says"),
     [
@@ -275,11 +291,52 @@ def test_chat_content_parts_must_be_text(content, param):
     assert err.value.param == param and str(err.value).startswith(f"{param}: ")
 
 
-def test_one_prompt_per_request():
-    req = parse(CompletionRequest, _completion(prompt=["a", "b"]))
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]]])
+def test_one_prompt_per_request(prompt):
+    req = parse(CompletionRequest, _completion(prompt=prompt))
     with pytest.raises(InvalidRequestError, match="one prompt per request") as err:
         req.prompt_input()
     assert err.value.param == "prompt"
+
+
+def test_a_prompt_may_come_as_a_batch_of_one_in_either_form():
+    def prompt_of(prompt):
+        return parse(CompletionRequest, _completion(prompt=prompt)).prompt_input()
+
+    assert prompt_of([[5, 6]]) == prompt_of([5, 6]) == PromptInput(token_ids=(5, 6))
+    assert prompt_of(["hi"]) == prompt_of("hi") == PromptInput(text="hi")
+    with pytest.raises(InvalidRequestError, match="prompt: must be a string, an array") as err:
+        prompt_of([["hi"]])
+    assert err.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        # Tools are refused, so a history cannot hold their calls: a template would
+        # render them its own way, or drop them.
+        ({"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}, "tool_calls"),
+        ({"role": "assistant", "content": "", "function_call": {"name": "f"}}, "function_call"),
+        # Only an assistant's content may be null (OpenAI's rule).
+        ({"role": "user", "content": None}, "content"),
+        ({"role": "system"}, "content"),
+    ],
+)
+def test_a_turn_that_is_not_text_is_refused_naming_its_field(message, param):
+    history = [{"role": "user", "content": "q"}, message]
+    with pytest.raises(InvalidRequestError) as err:
+        parse(ChatCompletionRequest, _chat(messages=history))
+    assert err.value.param == f"messages.1.{param}"
+    assert str(err.value).startswith(f"messages.1.{param}: ")
+
+
+def test_an_assistant_turn_may_be_null_and_carry_no_calls():
+    history = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [], "function_call": None},
+    ]
+    req = parse(ChatCompletionRequest, _chat(messages=history))
+    assert req.prompt_input() == PromptInput(messages=(("user", "q"), ("assistant", "")))
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,15 @@ import pytest
 
 from serve_app import openai_api
 from serve_app.api_keys import Unauthenticated
-from serve_app.openai_responses import DONE_EVENT, ResponseBuilder, http_error, sse_events
+from serve_app.openai_responses import (
+    DONE_EVENT,
+    ResponseBuilder,
+    http_error,
+    sse_events,
+    unaborted,
+)
 from serve_app.stream_merge import merge_streams
-from workers.engine.errors import InvalidRequestError
+from workers.engine.errors import EngineDeadError, InvalidRequestError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_request
 from workers.engine.sequence import FinishReason
@@ -112,6 +118,46 @@ def test_an_error_mid_stream_is_an_openai_error_event_then_done():
     assert len(sent) == 4 and sent[-1] == DONE_EVENT
     error = json.loads(sent[2].removeprefix("data: "))["error"]
     assert error["type"] == "invalid_request_error" and "stop_token_ids" in error["message"]
+
+
+def test_with_include_usage_every_chunk_before_the_usage_chunk_says_usage_null():
+    first, last = _outputs()
+
+    async def rest():
+        yield last
+
+    async def bodies(include_usage: bool) -> list[dict]:
+        builder = ResponseBuilder(True, "r", "m", str, bytes)
+        events = sse_events(builder, (0, first), merge_streams([rest()]), include_usage)
+        return [_body(e) async for e in events if e != DONE_EVENT]
+
+    with_usage = asyncio.run(bodies(True))
+    assert [b["usage"] for b in with_usage[:-1]] == [None, None]
+    assert with_usage[-1]["usage"]["total_tokens"] == 6
+    assert all("usage" not in b for b in asyncio.run(bodies(False)))
+
+
+def test_a_choice_the_server_aborted_fails_the_request_instead_of_ending_it():
+    cut = RequestOutput("r", [], "", finished=True, finish_reason=FinishReason.ABORT)
+    closed = []
+
+    async def outputs():
+        try:
+            yield 0, _outputs()[0]
+            yield 1, cut
+            yield 0, _outputs()[1]
+        finally:
+            closed.append(True)
+
+    async def read():
+        return [pair async for pair in unaborted(outputs())]
+
+    with pytest.raises(EngineDeadError, match="retry it") as err:
+        asyncio.run(read())
+    assert closed == [True]  # the other choices' streams are closed at once
+    response = http_error(err.value)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert json.loads(response.body)["error"]["type"] == "service_unavailable_error"
 
 
 def test_an_http_error_names_the_field_at_fault_as_its_param():

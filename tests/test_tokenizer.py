@@ -36,3 +36,26 @@ def test_an_id_the_tokenizer_lacks_stands_for_no_bytes(smollm2_dir):
     # Models pad their vocabulary past the tokenizer's; such ids can be sampled candidates.
     tok = Tokenizer(smollm2_dir)
     assert tok.token_bytes(tok.vocab_size + 5) == b"" == tok.decode([tok.vocab_size + 5]).encode()
+
+
+def _chat_tokenizer(tmp_path, template: str) -> Tokenizer:
+    tmp_path.mkdir()
+    vocab = {"<unk>": 0, "a": 1}
+    HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json")
+    )
+    (tmp_path / "chat_template.jinja").write_text(template)
+    return Tokenizer(tmp_path)
+
+
+def test_developer_messages_are_system_messages_unless_the_template_knows_the_role(tmp_path):
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "q"}]
+    turns = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    plain = _chat_tokenizer(tmp_path / "plain", turns)
+    assert plain.apply_chat_template(messages, add_generation_prompt=False) == (
+        "<system>be brief<user>q"
+    )
+    knowing = _chat_tokenizer(tmp_path / "knowing", "{# developer #}" + turns)
+    assert knowing.apply_chat_template(messages, add_generation_prompt=False) == (
+        "<developer>be brief<user>q"
+    )

@@ -61,6 +61,9 @@ class Tokenizer:
         if isinstance(template, list):  # named templates; the default one serves chat
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self._chat_template = None
+        # OpenAI's developer messages are its system messages under a newer name; a
+        # template that does not name the role renders them as system messages.
+        self._renames_developer = bool(template) and "developer" not in template
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
@@ -110,6 +113,10 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] must have 'role' and 'content'")
+        if self._renames_developer:
+            messages = [
+                {**m, "role": "system"} if m["role"] == "developer" else m for m in messages
+            ]
         return self._chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
