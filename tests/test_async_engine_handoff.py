@@ -192,6 +192,29 @@ def test_a_consumer_gone_before_reading_its_finished_prefill_frees_the_handoff(m
     asyncio.run(main())
 
 
+def test_a_refused_duplicate_whose_consumer_left_does_not_free_the_ids_handoff(model_dir):
+    async def main():
+        engine = AsyncEngine(_engine(model_dir, handoff_timeout_s=600))
+        prompt = random_prompts(1, seed=8)[0]
+        [o async for o in engine.generate("x", prompt, GREEDY, prefill_only=True)]
+        # A second request under the id the handoff holds is refused in the engine; its
+        # consumer leaves before the refusal arrives.
+        reader = asyncio.ensure_future(anext(engine.generate("x", prompt[:3], GREEDY)))
+        await asyncio.sleep(0)  # the add is queued
+        reader.cancel()
+        with pytest.raises((asyncio.CancelledError, ValueError)):
+            await reader
+        # Commands run in order: once this call answers, the abort has run.
+        assert await engine.call(lambda e: len(e.handoffs)) == 1
+        handle, _ = await engine.call(lambda e: e.export_kv("x"))
+        assert handle.request_id == "x"
+        assert await engine.call(lambda e: e.release_handoff("x"))
+        await _until(lambda: _all_blocks_free(engine), "the handoff's blocks to be freed")
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
 @pytest.mark.slow
 def test_a_tp_rank_that_dies_during_a_pull_makes_the_engine_unhealthy_at_once(
     ray_cluster, model_dir

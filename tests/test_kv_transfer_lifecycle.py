@@ -125,6 +125,47 @@ def test_an_import_waits_for_free_blocks(model_dir):
     _assert_all_free(prefill, decode)
 
 
+def test_a_waiting_import_goes_in_with_the_step_that_frees_its_blocks(model_dir):
+    prefill, cold = _engine(model_dir), _engine(model_dir)
+    decode = _engine(model_dir, num_kv_blocks=6)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    decode.add_request("busy", _tokens(3 * BLOCK, seed=60), short)
+    decode.step()  # "busy" holds 3 of the 6 blocks, 4 with its next token
+    prompt = _tokens(3 * BLOCK + 1, seed=61)  # needs 4 blocks
+    _prefill(prefill, "r", prompt)
+    handle, parts = prefill.export_kv("r")
+    prefill.release_handoff("r")
+    decode.add_prefilled_request("r", prompt, GREEDY, handle, parts)
+    assert decode.ready_outputs() == [] and decode.stats().imports_waiting == 1
+    (last,) = decode.step()
+    assert last.request_id == "busy" and last.finished
+    # Admitted in the step that freed the blocks: an engine loop asking `needs_step`
+    # would otherwise sleep until its next timer poll with the import's blocks free.
+    assert decode.stats().imports_waiting == 0 and decode.needs_step()
+    first = decode.ready_outputs()
+    assert [o.request_id for o in first] == ["r"]
+    rest = _drain(decode)["r"]
+    assert _tokens_of(first + rest) == _tokens_of(_single(cold, prompt))
+    _assert_all_free(prefill, decode)
+
+
+def test_a_request_waiting_on_a_held_handoffs_blocks_needs_no_step_until_they_free(model_dir):
+    prefill = _engine(model_dir, num_kv_blocks=4)
+    _prefill(prefill, "held", _tokens(3 * BLOCK, seed=62))  # holds 3 of the 4 blocks
+    prefill.add_request("next", _tokens(2 * BLOCK + 1, seed=63), GREEDY, prefill_only=True)
+    assert prefill.needs_step()
+    assert prefill.step() == [] and prefill.stats().num_waiting == 1
+    # Stepping again would only fail again, so an engine loop sleeps instead of
+    # spinning a core until a release, an abort or the handoff's deadline.
+    assert not prefill.needs_step() and prefill.has_unfinished()
+    assert prefill.release_handoff("held")
+    assert prefill.needs_step()
+    (out,) = prefill.step()
+    assert out.request_id == "next" and out.handoff is not None
+    prefill.release_handoff("next")
+    _assert_all_free(prefill)
+
+
 def test_a_waiting_import_that_fits_is_not_blocked_by_an_older_one(model_dir):
     prefill, cold = _engine(model_dir), _engine(model_dir)
     decode = _engine(model_dir, num_kv_blocks=8)

@@ -136,3 +136,23 @@ def test_max_num_seqs_is_respected():
             if s.seq.request_id not in first_seen:
                 first_seen.append(s.seq.request_id)
     assert first_seen == [s.request_id for s in seqs]
+
+
+def test_a_waiting_sequence_refused_blocks_is_not_retried_until_the_pool_gains_some():
+    sched = _scheduler(num_blocks=4, block_size=4)
+    holder = _seq("holder", 12)  # 3 of the 4 blocks, kept as a held handoff keeps them
+    sched.add(holder)
+    _step(sched)
+    sched.finish(holder, keep_blocks=True)
+    blocked = _seq("blocked", 9)  # 3 blocks, 1 free
+    sched.add(blocked)
+    assert sched.can_schedule()  # not tried yet
+    assert sched.schedule().scheduled == []
+    assert not sched.can_schedule() and sched.has_work()
+    newer = _seq("newer", 1)  # queued behind: the head still cannot go
+    sched.add(newer)
+    assert not sched.can_schedule()
+    sched.kv.free(holder)  # the handoff is released
+    assert sched.can_schedule()
+    assert _ids(sched.schedule()) == [("blocked", 9), ("newer", 1)]
+    assert not sched.waiting and sched.can_schedule()  # both run

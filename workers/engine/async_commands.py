@@ -17,6 +17,7 @@ from typing import Any
 
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineDeadError, dead_error
+from workers.engine.kv_transfer import KVHandle
 from workers.engine.kv_transport import KVPart
 from workers.engine.outputs import RequestOutput, merge_outputs
 from workers.engine.pull_budget import PullBudget
@@ -34,6 +35,8 @@ class Stream:
     # Updated on the engine thread only, to describe an abort in its final output.
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # The handoff its last output held (a prefill-only request), for a late abort to free.
+    handoff: KVHandle | None = None
 
 
 @dataclass

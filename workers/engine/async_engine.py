@@ -358,11 +358,12 @@ class AsyncEngine:
             if live is not None and command.stream is None:
                 # The consumer is still reading: tell it how its request ended.
                 self._send({live.loop: [(live, abort_output(live))]})
-        elif live is None:
+        elif live is None and command.stream.handoff is not None:
             # The request finished before its consumer left, but a prefill-only one still
             # holds its handoff, which nobody will export now: free it at once rather
-            # than at its deadline.
-            aborted = self.engine.release_handoff(rid)
+            # than at its deadline. Its own handoff only: a stream the engine refused (an
+            # id in use) must not free the handoff of the request holding that id.
+            aborted = self.engine.release_handoff(rid, command.stream.handoff)
         if command.reply is not None and command.reply_loop is not None:
             call_soon(command.reply_loop, resolve, command.reply, aborted)
 
@@ -384,6 +385,7 @@ class AsyncEngine:
             stream.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 del self._streams[out.request_id]
+                stream.handoff = out.handoff
             batches.setdefault(stream.loop, []).append((stream, out))
         self._send(batches)
 

@@ -167,8 +167,9 @@ class LLMEngine:
 
     def needs_step(self) -> bool:
         """True when `step` would compute or hand out something now; False when all that is
-        left waits on time or on blocks (held handoffs, imports waiting for room)."""
-        return self.scheduler.has_work() or bool(self._outbox)
+        left waits on time or on blocks (held handoffs, imports or requests waiting for
+        room), which only a call (abort, release) or a handoff's deadline frees."""
+        return self.scheduler.can_schedule() or bool(self._outbox)
 
     # -- stepping ------------------------------------------------------------
 
@@ -207,6 +208,10 @@ class LLMEngine:
         )
         now = time.monotonic()
         outputs += [self._accept(s, picked, now) for s, picked in zip(sampling, picks, strict=True)]
+        if self.imports.pending:
+            # Requests that finished here freed blocks and slots: the imports waiting for
+            # them go in now, their first tokens out with the next step's outputs.
+            self._admit_imports(now)
         self.kv.flush_events()
         return outputs
 
@@ -284,9 +289,10 @@ class LLMEngine:
         by `transport` if given, else the engine's; callable again until released."""
         return self.handoffs.export(request_id, skip_blocks, dst_tp, transport)
 
-    def release_handoff(self, request_id: str) -> bool:
-        """Prefill side: frees a handoff's blocks once decode has them; False if unknown."""
-        return self.handoffs.release(request_id)
+    def release_handoff(self, request_id: str, handle: KVHandle | None = None) -> bool:
+        """Prefill side: frees a handoff's blocks once decode has them; False if unknown.
+        With `handle`, only if the held handoff is that one (an id may be used again)."""
+        return self.handoffs.release(request_id, handle)
 
     def cached_prefix_blocks(
         self, block_hashes: list[BlockHash], token_ids: list[int], cache_salt: str | None = None

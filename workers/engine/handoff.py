@@ -157,11 +157,13 @@ class HeldHandoffs:
         self.num_blocks_exported += len(block_ids)
         return held.handle, parts
 
-    def release(self, request_id: str) -> bool:
-        """Frees a handoff's blocks; False if it was unknown (already released or expired)."""
-        held = self._held.pop(request_id, None)
-        if held is None:
+    def release(self, request_id: str, handle: KVHandle | None = None) -> bool:
+        """Frees a handoff's blocks; False if it was unknown (already released or expired),
+        or, given `handle`, if the handoff held under that id is another one."""
+        held = self._held.get(request_id)
+        if held is None or (handle is not None and held.handle is not handle):
             return False
+        del self._held[request_id]
         self.kv.free(held.seq)
         return True
 

@@ -70,6 +70,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # The waiting sequence last refused blocks at admission, and the free blocks then:
+        # until the pool gains some, trying it again would fail again (can_schedule).
+        self._refused: tuple[Sequence, int] | None = None
         # Tokens looked up in the prefix cache at admission, and how many were found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -80,6 +83,19 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def can_schedule(self) -> bool:
+        """True when `schedule` may schedule something now: sequences run, or the first
+        waiting one was not refused blocks since the pool last gained some. False while
+        it waits on blocks that only a release, an abort or an expiry frees."""
+        if self.running:
+            return True
+        if not self.waiting:
+            return False
+        if self._refused is None:
+            return True
+        seq, num_free = self._refused
+        return seq is not self.waiting[0] or self.kv.num_free_blocks > num_free
 
     def schedule(self, drafts: Mapping[Sequence, list[int]] | None = None) -> SchedulerOutput:
         """This step's work. `drafts`: speculated tokens of decoding sequences, added
@@ -115,7 +131,9 @@ class Scheduler:
                     # Give back what the lookup attached; the next attempt looks again.
                     self.kv.free(seq)
                     seq.num_computed_tokens = 0
+                    self._refused = (seq, self.kv.num_free_blocks)
                     break
+                self._refused = None
                 self.waiting.popleft()
                 self._count_prefix_lookup(seq, cached)
                 seq.status = SequenceStatus.RUNNING
