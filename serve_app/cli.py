@@ -24,13 +24,20 @@ import uuid
 
 log = logging.getLogger("baton")
 
-# serve_app.config.DType's values (tests/test_cli.py holds them equal), spelled out so that
-# building the parser imports neither pydantic nor torch.
+# serve_app.config.DType's values and grpc_service.DEFAULT_MAX_TOKENS (tests/test_cli.py
+# holds them equal), spelled out so that building the parser imports neither pydantic,
+# protobuf nor torch.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_TOKENS = 256
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default 256)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"new tokens at most (default {DEFAULT_MAX_TOKENS}, or the context's room if less)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -194,7 +201,6 @@ def _generate(args: argparse.Namespace) -> int:
     from workers.engine.sampling_params import SamplingParams
     from workers.model.default_model import ensure_default_model
 
-    params = SamplingParams(**_sampling(args))
     model = args.model or str(ensure_default_model())
     log.info("loading %s", model)
     speculative = (
@@ -207,7 +213,11 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = engine.tokenizer.encode_chat(messages)
     else:
         prompt_ids = engine.tokenizer.encode(args.prompt)
-    engine.add_request(uuid.uuid4().hex, prompt_ids, params)
+    sampling = _sampling(args)
+    if sampling["max_tokens"] is None:  # as the service's default (baton.proto)
+        room = max(engine.max_model_len - len(prompt_ids), 1)
+        sampling["max_tokens"] = min(DEFAULT_MAX_TOKENS, room)
+    engine.add_request(uuid.uuid4().hex, prompt_ids, SamplingParams(**sampling))
     last = None
     while engine.has_unfinished():
         for last in engine.step():
@@ -225,16 +235,24 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote_request(args: argparse.Namespace, messages: list[dict] | None):
+    """The GenerateRequest `baton generate` sends: flags left unset stay absent, so the
+    service's defaults (baton.proto) apply."""
+    from serve_app.client import generate_request
+
+    sampling = {k: v for k, v in _sampling(args).items() if v is not None}
+    return generate_request(
+        args.prompt if messages is None else None, messages=messages, **sampling
+    )
+
+
 def _generate_remote(args: argparse.Namespace, messages: list[dict] | None) -> int:
     import grpc
 
-    from serve_app.client import BatonClient, generate_request
+    from serve_app.client import BatonClient
     from serve_app.grpc_api import baton_pb2 as pb
 
-    sampling = {k: v for k, v in _sampling(args).items() if v is not None}
-    request = generate_request(
-        args.prompt if messages is None else None, messages=messages, **sampling
-    )
+    request = _remote_request(args, messages)
     last = None
     client_args = {"application": args.app} if args.app else {}
     with BatonClient(args.address, api_key=args.api_key, **client_args) as client:

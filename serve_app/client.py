@@ -23,8 +23,17 @@ def generate_request(
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from a text prompt, token ids or chat messages plus sampling
-    fields named as in the proto (max_tokens, temperature, stop, cache_salt...)."""
-    request = pb.GenerateRequest(**sampling)
+    fields named as in the proto (max_tokens, temperature, stop, cache_salt...); a value
+    the proto cannot hold is a ValueError naming its field. top_k=-1 (the engine's and
+    vLLM's "off") is sent as 0, the proto's "off"."""
+    request = pb.GenerateRequest()
+    for name, value in sampling.items():
+        if name == "top_k" and value == -1:
+            value = 0
+        try:
+            request.MergeFrom(pb.GenerateRequest(**{name: value}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}: {e}") from None
     if messages is not None:
         request.chat.CopyFrom(pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]))
     elif isinstance(prompt, str):

@@ -170,6 +170,27 @@ def test_the_dtype_choices_are_the_configs():
     assert typing.get_args(DType) == DTYPES
 
 
+def test_unset_flags_leave_the_services_defaults_to_apply():
+    from serve_app import cli, grpc_service
+
+    assert cli.DEFAULT_MAX_TOKENS == grpc_service.DEFAULT_MAX_TOKENS
+    bare = cli._remote_request(cli._build_parser().parse_args(["generate", "hi"]), None)
+    # Absent, max_tokens is 256 or the context's room if less; sent, a long prompt
+    # would be refused instead.
+    assert not bare.HasField("max_tokens") and not bare.HasField("seed")
+    assert bare.HasField("temperature") and bare.temperature == 0.0  # the CLI's greedy
+    args = ["generate", "--max-tokens", "9", "--top-k", "-1", "hi"]
+    sent = cli._remote_request(cli._build_parser().parse_args(args), None)
+    assert sent.max_tokens == 9 and sent.top_k == 0  # -1 is "off", as 0 in the proto
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--max-tokens"])
+def test_a_value_the_proto_cannot_hold_is_refused_naming_its_field(flag, capsys):
+    assert main(["generate", flag, "-1", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"baton: error: {flag[2:].replace('-', '_')}: Value out of range" in err
+
+
 def test_local_generation_in_bfloat16(model_dir, capsys, built_engines):
     args = ["generate", "--local", "--model", str(model_dir), "--dtype", "bfloat16"]
     assert main([*args, "--max-tokens", "6", "--temperature", "0", "Hello"]) == 0
