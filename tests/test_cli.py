@@ -86,6 +86,16 @@ def test_chat_renders_the_system_and_user_messages(model_dir):
     assert run.stdout == _expected_text(model_dir, messages=messages) + "\n"
 
 
+def test_local_generation_without_max_tokens_fills_what_the_context_leaves(model_dir, capsys):
+    engine = LLMEngine(EngineConfig(model=str(model_dir)))
+    prompt = "Hello there, " * 70
+    room = engine.max_model_len - len(engine.tokenizer.encode(prompt))
+    assert 0 < room < 256  # the default is then the room left, as the service's
+    assert main(["generate", "--local", "--model", str(model_dir), prompt]) == 0
+    expected = _expected_text(model_dir, prompt=prompt, max_tokens=room)
+    assert capsys.readouterr().out == expected + "\n"
+
+
 def test_seeded_sampling_is_reproducible_from_the_command_line(model_dir, capsys):
     args = ["generate", "--local", "--model", str(model_dir), "--temperature", "1.5"]
     args += ["--max-tokens", "24"]
