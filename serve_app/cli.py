@@ -198,7 +198,7 @@ def _generate(args: argparse.Namespace) -> int:
     # Heavy imports wait until a command needs them, so `baton --help` is instant.
     from workers.engine.config import EngineConfig, SpeculativeConfig
     from workers.engine.engine import LLMEngine
-    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.sampling_params import SamplingParams, default_budget_room
     from workers.model.default_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
@@ -215,7 +215,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = engine.tokenizer.encode(args.prompt)
     sampling = _sampling(args)
     if sampling["max_tokens"] is None:  # as the service's default (baton.proto)
-        room = max(engine.max_model_len - len(prompt_ids), 1)
+        room = default_budget_room(engine.max_model_len - len(prompt_ids), 0)
         sampling["max_tokens"] = min(DEFAULT_MAX_TOKENS, room)
     engine.add_request(uuid.uuid4().hex, prompt_ids, SamplingParams(**sampling))
     last = None
