@@ -24,7 +24,7 @@ from ray.serve.config import RequestRouterConfig
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.engine_server import EngineServer
 from serve_app.router import Router
-from serve_app.serve_config import DEPLOYMENT_NAMES, ROUTER_NAME, pool_scale
+from serve_app.serve_config import DEPLOYMENT_NAMES, ROUTER_NAME, pool_ongoing_requests, pool_scale
 from workers.engine.kv_transport import check_transport
 from workers.model.config import ModelConfig
 
@@ -59,13 +59,9 @@ def _pin_version(deployment, role: str, replica_args: AppConfig):
 
 
 def _pool_options(role: str, pool: PoolConfig, num_routers: int) -> dict[str, Any]:
-    # Each router's output subscription to a replica (output_mux.py) is an ongoing request
-    # of its own there: it gets a slot on top of the requests the pool admits. Prefill
-    # replicas stream nothing to routers.
-    subscriptions = 0 if role == "prefill" else num_routers
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAMES[role],
-        "max_ongoing_requests": pool.max_ongoing_requests + subscriptions,
+        "max_ongoing_requests": pool_ongoing_requests(role, pool, num_routers),
         "max_queued_requests": -1 if pool.max_queued_requests is None else pool.max_queued_requests,
         "ray_actor_options": {
             "num_cpus": pool.num_cpus,

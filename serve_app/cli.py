@@ -2,7 +2,7 @@
 
 baton serve [--mode ...] [--prefill-replicas N] ...   deploy (starts Ray if needed)
 baton generate "prompt" [--chat]                        stream a completion over gRPC
-baton scale prefill|decode|aggregated N                 resize one pool, live
+baton scale prefill|decode|aggregated N [--fixed]       resize one pool, live
 baton status [--json]                                   pools, replicas, KV, hit rate
 baton stop                                              remove the service (and the Ray it started)
 baton drain --deadline-s S                              move this node's replicas away
@@ -129,6 +129,11 @@ def _build_parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="set one pool's replica count, without downtime")
     scale.add_argument("pool", choices=["prefill", "decode", "aggregated"])
     scale.add_argument("replicas", type=int)
+    scale.add_argument(
+        "--fixed",
+        action="store_true",
+        help="an autoscaled pool: keep it at REPLICAS and turn its autoscaling off",
+    )
     _add_app_arg(scale)
 
     status = sub.add_parser("status", help="pools, replicas, queues, KV usage, prefix hits")
@@ -303,7 +308,7 @@ def _scale(args: argparse.Namespace) -> int:
     from serve_app import service_ops
 
     service_ops.connect()
-    service_ops.scale(args.pool, args.replicas, **_app_name(args))
+    service_ops.scale(args.pool, args.replicas, fixed=args.fixed, **_app_name(args))
     log.info("%s pool scaled to %d replicas", args.pool, args.replicas)
     return 0
 

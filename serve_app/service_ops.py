@@ -177,21 +177,35 @@ def deployed(
     return AppConfig.model_validate(stored["config"]), stored["route_prefix"]
 
 
-def scale(pool: str, num_replicas: int, app_name: str = APP_NAME) -> AppConfig:
-    """Sets one pool's replica count (turning its autoscaling off) and redeploys."""
+def scale(pool: str, num_replicas: int, app_name: str = APP_NAME, fixed: bool = False) -> AppConfig:
+    """Sets one pool's replica count and redeploys (`rescaled` says what may change)."""
+    config, route_prefix = deployed(app_name)
+    config = rescaled(config, pool, num_replicas, fixed)
+    # Serve is running: serve.start() inside keeps its ports whatever deploy() passes.
+    deploy(config, app_name=app_name, route_prefix=route_prefix)
+    return config
+
+
+def rescaled(config: AppConfig, pool: str, num_replicas: int, fixed: bool = False) -> AppConfig:
+    """`config` with one pool at `num_replicas`. An autoscaled pool is refused unless
+    `fixed`, which turns its autoscaling off: a count set by hand would otherwise end the
+    autoscaling silently and for good."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    config, route_prefix = deployed(app_name)
     if pool not in config.pools():
         raise ValueError(
             f"pool must be one of {sorted(config.pools())} in {config.mode} mode, got {pool!r}"
         )
     current = getattr(config, pool)
+    if current.autoscaling is not None and not fixed:
+        a = current.autoscaling
+        raise ValueError(
+            f"the {pool} pool autoscales between {a.min_replicas} and {a.max_replicas} "
+            f"replicas; `baton scale {pool} {num_replicas} --fixed` keeps it at "
+            f"{num_replicas} with autoscaling off (redeploy its config to turn it back on)"
+        )
     update = {"num_replicas": num_replicas, "autoscaling": None}
-    config = config.model_copy(update={pool: current.model_copy(update=update)})
-    # Serve is running: serve.start() inside keeps its ports whatever deploy() passes.
-    deploy(config, app_name=app_name, route_prefix=route_prefix)
-    return config
+    return config.model_copy(update={pool: current.model_copy(update=update)})
 
 
 def status(app_name: str = APP_NAME, board_name: str = DEFAULT_BOARD_NAME) -> dict[str, Any]:

@@ -88,7 +88,11 @@ AUTOSCALING = {
     "podMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},
 }
-AGGREGATED = {"mode": "aggregated", "aggregated": {"replicas": 2}}
+# Aggregated, with no bound on the requests a router queues for the pool (null).
+AGGREGATED = {
+    "mode": "aggregated",
+    "aggregated": {"replicas": 2, "replica": {"maxQueuedRequests": None}},
+}
 # One machine's pools: decode takes short prompts and prefill-pool backlogs itself.
 SELECTIVE = {"localPrefillTokens": 16, "maxPendingPrefills": 4}
 # A model from a PersistentVolumeClaim, a bounded /dev/shm, a longer stop for decode,

@@ -160,6 +160,18 @@ def test_streaming_pools_leave_each_router_a_slot_for_its_output_subscription(mo
     assert slots["EngineServer"] == 128 + 1
 
 
+def test_a_serve_config_leaves_each_router_a_slot_though_its_args_hold_no_router_count():
+    """A config-file deploy (`serve deploy`, KubeRay) builds the app from args without
+    replica counts, so the slots come with the deployment overrides."""
+    config = AppConfig(
+        router=RouterConfig(num_replicas=3), decode=PoolConfig(max_ongoing_requests=4)
+    )
+    (app,) = serve_config(config)["applications"]
+    assert AppConfig.model_validate(app["args"]).router.num_replicas == 1
+    slots = {d["name"]: d.get("max_ongoing_requests") for d in app["deployments"]}
+    assert slots == {"Router": None, "PrefillServer": 128, "DecodeServer": 4 + 3}
+
+
 def test_each_pool_bounds_the_requests_a_router_queues_for_it(model_dir):
     pools = {"prefill": {"max_queued_requests": None}, "decode": {"max_queued_requests": 3}}
     app = build_app({"model": str(model_dir), **pools})

@@ -119,6 +119,11 @@ def test_app_args_fit_the_node_types(config):
         assert pool.autoscaling.min_replicas <= node["min_workers"]
         assert pool.autoscaling.max_replicas <= node["max_workers"]
     assert sum(types[t]["max_workers"] for t in POOL_NODE_TYPES.values()) <= config["max_workers"]
+    # Routers ask for a resource the head alone offers, and the head has their CPUs.
+    (name,) = app.router.resources
+    assert [t for t in types if name in types[t]["resources"]] == [config["head_node_type"]]
+    head = types[config["head_node_type"]]["resources"]
+    assert app.router.num_replicas * app.router.num_cpus <= head["CPU"]
 
 
 def test_head_runs_baton_serve_on_the_written_args(config):

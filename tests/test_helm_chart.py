@@ -85,6 +85,19 @@ def test_lint_strict_is_clean(values):
             ["/dev/shm is mounted by the chart", "sharedMemory.enabled=false"],
         ),
         ({"volumeMounts": [{"name": "models"}]}, ["/volumeMounts/0", "mountPath"]),
+        (
+            {"router": {"replicas": 3}},
+            ["router.replicas (3) x router.numCpus (1) needs 3 CPUs", "has 2 (head.resources)"],
+        ),
+        (
+            {"head": {"rayStartParams": {"num-cpus": "0"}}},
+            ["has 0 (head.rayStartParams.num-cpus)", "router.onHead=false"],
+        ),
+        (
+            {"head": {"rayStartParams": {"resources": '"{\\"gpu_head\\": 1}"'}}},
+            ["head.rayStartParams.resources", "router.onHead=false"],
+        ),
+        ({"router": {"replicas": 1001}}, ["/router/replicas", "maximum"]),
         ({"maxPendingPrefills": 0}, ["/maxPendingPrefills", "minimum"]),
         ({"localPrefillTokens": -1}, ["/localPrefillTokens", "minimum"]),
         ({"apiKey": {"secretName": "keys", "secretKey": ""}}, ["/apiKey/secretKey"]),

@@ -99,7 +99,8 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "num_threads": r["numThreads"],
             "dtype": r["dtype"],
             "max_ongoing_requests": r["maxOngoingRequests"],
-            "max_queued_requests": r["maxQueuedRequests"],
+            # A null value is no limit; Helm drops the key.
+            "max_queued_requests": r.get("maxQueuedRequests"),
             "graceful_shutdown_timeout_s": r["gracefulShutdownTimeoutS"],
             "speculative_tokens": r["speculativeTokens"],
         }
@@ -133,7 +134,8 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "router": {
                 "num_replicas": v["router"]["replicas"],
                 "num_cpus": v["router"]["numCpus"],
-                "resources": v["router"]["rayResources"],
+                "resources": v["router"]["rayResources"]
+                | ({"baton_router": 1} if v["router"]["onHead"] else {}),
                 "max_ongoing_requests": v["router"]["maxOngoingRequests"],
             },
             **{role: pool(v[role]) for role in roles},

@@ -57,8 +57,13 @@ def test_worker_groups_host_their_pools(chart, values):
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["serve"] == 8000 and ports["grpc"] == 9000 and ports["metrics"] == 8080
     cluster = rayservice["spec"]["rayClusterConfig"]
-    # The head offers no pool resource, so no engine replica ever lands there.
-    assert "resources" not in cluster["headGroupSpec"]["rayStartParams"]
+    # The head offers no pool resource, so no engine replica ever lands there; it offers
+    # the routers' own, which no worker group does: routers run on the head alone.
+    head = _ray_start_resources(cluster["headGroupSpec"])
+    assert head == {"baton_router": 1000}
+    router = app_config_of(_serve_config(rayservice)["applications"][0]).router
+    assert router.resources == {**merged["router"]["rayResources"], "baton_router": 1}
+    assert all("baton_router" not in _ray_start_resources(g) for g in groups.values())
     # Always on: without it, KubeRay deletes pods of its own choosing when a group shrinks.
     assert cluster["enableInTreeAutoscaling"] is True
     options = cluster["autoscalerOptions"]
@@ -90,6 +95,39 @@ def test_one_value_scales_one_pool(chart):
     groups = _groups(after)
     assert groups["prefill"]["replicas"] == 4
     groups["prefill"]["replicas"] = 1  # the group's starting size; its bounds are unchanged
+    del before["spec"]["serveConfigV2"], after["spec"]["serveConfigV2"]
+    assert after == before
+
+
+def test_routers_may_be_left_to_serve_to_place(chart):
+    """router.onHead=false: the head offers nothing, routers ask for what rayResources says
+    (e.g. a head at num-cpus 0 and routers on a pool's pods)."""
+    values = {
+        "router": {"onHead": False, "rayResources": {"baton_decode": 0.01}},
+        "head": {"rayStartParams": {"num-cpus": "0"}},
+    }
+    rayservice = _rayservice(_render(chart, values))
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert "resources" not in head and head["num-cpus"] == "0"
+    router = app_config_of(_serve_config(rayservice)["applications"][0]).router
+    assert router.resources == {"baton_decode": 0.01}
+
+
+def test_one_value_scales_the_routers(chart):
+    """`helm upgrade --set router.replicas=2` moves the router's replica count and the slot
+    each streaming pool's replica keeps per router (both deployment overrides, which
+    Serve applies in place), and nothing else: no argument, no pod."""
+    before = _rayservice(_render(chart, {}))
+    after = _rayservice(_render(chart, helm.parse_set_string("router.replicas=2")))
+    (app_before,) = _serve_config(before)["applications"]
+    (app_after,) = _serve_config(after)["applications"]
+    scale = {d["name"]: d for d in app_after["deployments"]}
+    assert scale["Router"]["num_replicas"] == 2
+    assert scale["DecodeServer"]["max_ongoing_requests"] == 128 + 2
+    assert scale["PrefillServer"]["max_ongoing_requests"] == 128
+    scale["Router"]["num_replicas"] = 1
+    scale["DecodeServer"]["max_ongoing_requests"] = 128 + 1
+    assert app_after == app_before
     del before["spec"]["serveConfigV2"], after["spec"]["serveConfigV2"]
     assert after == before
 

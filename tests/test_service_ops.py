@@ -13,7 +13,7 @@ from service_helpers import KV, wait_for
 
 from serve_app import node_drain, service_ops
 from serve_app.client import BatonClient, generate_request
-from serve_app.config import AppConfig, PoolConfig
+from serve_app.config import AppConfig, AutoscalingConfig, PoolConfig
 from serve_app.serve_config import APP_NAME, GRPC_SERVICER_FUNCTIONS, serve_config
 from serve_app.status_board import get_or_create_board
 
@@ -158,3 +158,22 @@ def test_the_local_head_drains_routers_briefly_unless_told_otherwise(monkeypatch
     ((argv, kwargs),) = starts
     assert argv[1:3] == ["start", "--head"] and joins == ["auto", "auto"]
     assert kwargs["env"][name] == (own or service_ops.LOCAL_HEAD_ENV[name])
+
+
+def test_rescaling_an_autoscaled_pool_needs_fixed_which_turns_its_autoscaling_off():
+    autoscaling = AutoscalingConfig(min_replicas=1, max_replicas=4)
+    config = AppConfig(decode=PoolConfig(autoscaling=autoscaling))
+    with pytest.raises(ValueError) as err:
+        service_ops.rescaled(config, "decode", 6)
+    assert "autoscales between 1 and 4" in str(err.value)
+    assert "baton scale decode 6 --fixed" in str(err.value)
+    fixed = service_ops.rescaled(config, "decode", 6, fixed=True)
+    assert fixed.decode.num_replicas == 6 and fixed.decode.autoscaling is None
+    assert fixed.prefill == config.prefill
+    # A pool with a fixed count needs no flag; a pool the mode lacks and a count below one
+    # are refused naming what is allowed.
+    assert service_ops.rescaled(config, "prefill", 3).prefill.num_replicas == 3
+    with pytest.raises(ValueError, match=r"one of \['decode', 'prefill'\]"):
+        service_ops.rescaled(config, "aggregated", 2)
+    with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
+        service_ops.rescaled(config, "prefill", 0)

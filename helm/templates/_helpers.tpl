@@ -69,6 +69,7 @@ message naming the value. Included once, from the RayService template.
 {{- range $d := untilStep 1 (int (add $kvHeads 1)) 1 }}
 {{- if and (eq (mod $heads $d) 0) (eq (mod $kvHeads $d) 0) }}{{ $valid = append $valid $d }}{{ end }}
 {{- end }}
+{{- include "baton.validateRouter" . }}
 {{- $seen := dict }}
 {{- range $role := splitList "," (include "baton.roles" .) }}
 {{- $pool := index $.Values $role }}
@@ -106,6 +107,47 @@ message naming the value. Included once, from the RayService template.
 {{- end }}
 {{- $_ := set $seen $pool.rayResource $role }}
 {{- end }}
+{{- end }}
+
+{{/*
+Routers kept on the head (router.onHead) stay pending forever where the head cannot hold
+them, so refuse that at render time: the head must offer their resource (its own
+rayStartParams `resources` would replace it) and CPUs for router.replicas x numCpus (its
+`num-cpus` start flag, else its limits, else its requests, rounded up as Ray counts them).
+*/}}
+{{- define "baton.validateRouter" -}}
+{{- $router := .Values.router }}
+{{- $head := .Values.head }}
+{{- if $router.onHead }}
+{{- if hasKey $head.rayStartParams "resources" }}
+{{- fail "head.rayStartParams.resources would replace the resource the head offers its routers (router.onHead); set router.onHead=false and place the routers with router.rayResources" }}
+{{- end }}
+{{- $limits := default dict $head.resources.limits }}
+{{- $requests := default dict $head.resources.requests }}
+{{- $cpu := toString (default (index $requests "cpu") (index $limits "cpu")) }}
+{{- $source := "head.resources" }}
+{{- if hasKey $head.rayStartParams "num-cpus" }}
+{{- $cpu = toString (index $head.rayStartParams "num-cpus") }}
+{{- $source = "head.rayStartParams.num-cpus" }}
+{{- end }}
+{{- if and $cpu (ne $cpu "<nil>") }}
+{{- $headCpus := ceil (ternary (divf (trimSuffix "m" $cpu | float64) 1000) (float64 $cpu) (hasSuffix "m" $cpu)) }}
+{{- $needCpus := mulf $router.replicas $router.numCpus }}
+{{- if lt $headCpus $needCpus }}
+{{- fail (printf "router.replicas (%v) x router.numCpus (%v) needs %v CPUs on the head (router.onHead) but it has %v (%s): give the head more CPUs, lower router.numCpus, or set router.onHead=false" $router.replicas $router.numCpus $needCpus $headCpus $source) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The router replicas' Ray resources, as JSON: router.rayResources, plus one unit of
+the head's baton_router with router.onHead. */}}
+{{- define "baton.routerResources" -}}
+{{- $resources := deepCopy .Values.router.rayResources }}
+{{- if .Values.router.onHead }}
+{{- $_ := set $resources "baton_router" 1 }}
+{{- end }}
+{{- toJson $resources }}
 {{- end }}
 
 {{/*
@@ -165,12 +207,18 @@ every replica of every pool when one pool is rescaled.
 {{- toJson $args }}
 {{- end }}
 
-{{/* One pool's Serve deployment override: its replica count or its autoscaling, as JSON
-(serve_app.serve_config.pool_scale). */}}
+{{/* One pool's Serve deployment override: its replica count or its autoscaling and its
+replicas' max_ongoing_requests, as JSON (serve_app.serve_config.serve_config). */}}
 {{- define "baton.poolScale" -}}
 {{- $pool := index .root.Values .role }}
 {{- $names := dict "aggregated" "EngineServer" "prefill" "PrefillServer" "decode" "DecodeServer" }}
-{{- $scale := dict "name" (get $names .role) "num_replicas" $pool.replicas }}
+{{- /* serve_config.pool_ongoing_requests: one slot per router for its output subscription
+on a replica that streams to routers. */}}
+{{- $subscriptions := ternary 0 (int .root.Values.router.replicas) (eq .role "prefill") }}
+{{- $scale := dict
+    "name" (get $names .role)
+    "num_replicas" $pool.replicas
+    "max_ongoing_requests" (add $pool.replica.maxOngoingRequests $subscriptions) }}
 {{- if $pool.autoscaling.enabled }}
 {{- $a := $pool.autoscaling }}
 {{- $_ := set $scale "num_replicas" nil }}
@@ -202,7 +250,7 @@ to equality, so a change to one must be made in the other.
     "registry_name" $v.registryName
     "router" (dict
       "num_cpus" $v.router.numCpus
-      "resources" $v.router.rayResources
+      "resources" (include "baton.routerResources" . | fromJson)
       "max_ongoing_requests" $v.router.maxOngoingRequests) }}
 {{- if $v.maxPendingPrefills }}
 {{- $_ := set $args "max_pending_prefills" $v.maxPendingPrefills }}
@@ -243,12 +291,13 @@ to equality, so a change to one must be made in the other.
 {{- end }}
 
 {{/*
-`ray start --resources` for a pool's pods: one unit of the pool's custom resource, in
-KubeRay's rayStartParams form (a JSON object wrapped in escaped double quotes, because
-KubeRay pastes the value into a shell command line).
+`ray start --resources` for a Ray pod, from a dict of resource units (a pool's pods offer
+one unit of the pool's resource, the head the routers' resource), in KubeRay's
+rayStartParams form (a JSON object wrapped in escaped double quotes, because KubeRay
+pastes the value into a shell command line).
 */}}
 {{- define "baton.rayStartResources" -}}
-{{- printf "\"%s\"" (dict . 1 | toJson | replace "\"" "\\\"") }}
+{{- printf "\"%s\"" (toJson . | replace "\"" "\\\"") }}
 {{- end }}
 
 {{/*
