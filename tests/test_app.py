@@ -18,7 +18,11 @@ from workers.engine.kv_transport import TRANSPORTS as ENGINE_TRANSPORTS
 def model_dir(tmp_path_factory):
     # 6 query heads and 3 KV heads: TP 1 and 3 divide them, 2 does not.
     return make_tiny_model(
-        tmp_path_factory.mktemp("tiny"), num_heads=6, num_kv_heads=3, hidden_size=48
+        tmp_path_factory.mktemp("tiny"),
+        num_heads=6,
+        num_kv_heads=3,
+        hidden_size=48,
+        intermediate_size=96,  # TP 3 splits it, as it does the heads
     )
 
 

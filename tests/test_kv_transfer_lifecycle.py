@@ -22,6 +22,7 @@ from tiny_model import make_tiny_model
 
 from workers.engine import engine as engine_module
 from workers.engine.kv_transfer import KVBlocks, StalePrefixError
+from workers.engine.kv_transport import KVTransferError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
@@ -87,6 +88,36 @@ def test_export_refuses_a_bad_skip(model_dir, skip):
     _prefill(prefill, "r", _tokens(2 * BLOCK + 3, seed=52))
     with pytest.raises(ValueError, match="skip_blocks"):
         prefill.export_kv("r", skip_blocks=skip)
+
+
+@pytest.mark.parametrize("dst_tp", [0, 3, 1.0])
+def test_export_refuses_an_importer_tp_that_does_not_divide_the_kv_heads(model_dir, dst_tp):
+    prefill = _engine(model_dir)
+    _prefill(prefill, "r", _tokens(2 * BLOCK + 3, seed=54))
+    # The tiny model has 2 KV heads.
+    with pytest.raises(ValueError, match="dst_tp must divide the model's 2 KV heads"):
+        prefill.export_kv("r", dst_tp=dst_tp)
+    prefill.export_kv("r", dst_tp=2)  # the handoff is still there to export
+
+
+def test_an_import_whose_transfer_fails_goes_on_by_recompute(model_dir, monkeypatch):
+    """An export pulled at import time (not prefetched) whose exporter is gone since: the
+    request is decoded from its prompt, as one engine would, and no block stays taken."""
+    prefill, decode, cold = _engine(model_dir), _engine(model_dir), _engine(model_dir)
+    prompt = _tokens(2 * BLOCK + 5, seed=55)
+    _prefill(prefill, "r", prompt)
+    handle, parts = prefill.export_kv("r")
+    prefill.release_handoff("r")
+
+    def gone(*args, **kwargs):
+        raise KVTransferError("the exporter died mid-pull")
+
+    monkeypatch.setattr(decode.runner, "import_blocks", gone)
+    decode.add_prefilled_request("r", prompt, GREEDY, handle, parts)
+    outputs = _drain(decode)
+    assert _tokens_of(outputs["r"]) == _tokens_of(_single(cold, prompt))
+    assert decode.stats().num_preemptions == 1 and decode.runner_failure() is None
+    _assert_all_free(prefill, decode)
 
 
 def test_an_export_may_name_its_transport_and_a_bad_one_is_refused(model_dir):

@@ -35,3 +35,12 @@ def test_an_mlp_activation_other_than_silu_is_refused():
     assert ModelConfig.from_dict({**BASE, "hidden_act": "silu"}).hidden_size == 64
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         ModelConfig.from_dict({**BASE, "hidden_act": "gelu"})
+
+
+def test_a_tp_degree_must_split_the_heads_and_the_mlp_width():
+    # 1, 2 and 4 split 4 query and 4 KV heads; an MLP 90 wide leaves 1 and 2.
+    config = ModelConfig.from_dict({**BASE, "num_key_value_heads": 4, "intermediate_size": 90})
+    assert config.valid_tp_degrees() == [1, 2]
+    config.check_tp_degree(2)
+    with pytest.raises(ValueError, match=r"decode.tp=4 .* MLP width 90; valid degrees: \[1, 2\]"):
+        config.check_tp_degree(4, "decode.tp")

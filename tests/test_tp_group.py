@@ -99,3 +99,20 @@ def test_a_dead_rank_fails_the_step_loudly(ray_cluster, tmp_path):
     with pytest.raises(EngineDeadError, match="TP rank 1 of 2 failed"):
         group.execute(_steps()[0])
     group.shutdown()  # idempotent
+
+
+def test_a_rank_method_that_raises_outside_a_collective_fails_only_that_call(ray_cluster, tmp_path):
+    """A handoff's export, pull or import that raises in the ranks (a bad argument, a
+    transfer error) is that call's error, as its own type; the ranks are fine, and the
+    group keeps computing. (In a step, a raising rank would leave the others waiting in
+    an all-reduce: that ends the group, as a dead rank does.)"""
+    model_dir = make_tiny_model(tmp_path)  # 2 KV heads
+    group = TPWorkerGroup(2, _spec(model_dir))
+    local = ModelRunner.from_spec(_spec(model_dir))
+    try:
+        with pytest.raises(ValueError, match="dst_tp must divide the 2 KV heads, got 3"):
+            group.export_blocks([0, 1], 0, "object_store", dst_tp=3)
+        assert group.failure is None
+        torch.testing.assert_close(group.execute(_steps()[0]), local.execute(_steps()[0]))
+    finally:
+        group.shutdown()

@@ -348,17 +348,25 @@ class LLMEngine:
         return self.runner.live_exports()
 
     def _admit_imports(self, now: float) -> None:
-        admitted = self.imports.admit(self.config.max_num_seqs)
+        admitted, lost = self.imports.admit(self.config.max_num_seqs)
+        self._recompute(lost, now)
         if self.imports.pending and not self.scheduler.running:
             # None fit, and nothing runs that would free blocks: the queued imports'
             # pinned prefixes hold the pool. All but the oldest go on by recompute.
-            for seq, handle in self.imports.unpin_stuck():
-                self._first_token(seq, handle, now)
-                if not seq.finished:
-                    self.scheduler.preempt(seq)
-            admitted += self.imports.admit(self.config.max_num_seqs)
+            self._recompute(self.imports.unpin_stuck(), now)
+            more, lost = self.imports.admit(self.config.max_num_seqs)
+            admitted += more
+            self._recompute(lost, now)
         for seq, handle in admitted:
             self._first_token(seq, handle, now)
+
+    def _recompute(self, imports: list[tuple[Sequence, KVHandle]], now: float) -> None:
+        """Imports that go on without their KV: the first token now, then the blocks
+        freed and the sequence queued to be computed again, as after a preemption."""
+        for seq, handle in imports:
+            self._first_token(seq, handle, now)
+            if not seq.finished:
+                self.scheduler.preempt(seq)
 
     def _first_token(self, seq: Sequence, handle: KVHandle, now: float) -> None:
         """An imported request's first token, sampled by the engine that prefilled it."""

@@ -38,7 +38,7 @@ import torch
 
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.kv_transfer import KVBlocks, KVHandle, KVLayout, StalePrefixError
-from workers.engine.kv_transport import KVPart, KVRef, check_transport
+from workers.engine.kv_transport import KVPart, KVRef, KVTransferError, check_transport
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
 
@@ -148,6 +148,11 @@ class HeldHandoffs:
                 f"skip_blocks must be in [0, {num_full}] (the prompt's full blocks), "
                 f"got {skip_blocks!r}"
             )
+        heads = self.layout.num_kv_heads
+        if dst_tp is not None and not (
+            isinstance(dst_tp, int) and dst_tp >= 1 and heads % dst_tp == 0
+        ):
+            raise ValueError(f"dst_tp must divide the model's {heads} KV heads, got {dst_tp!r}")
         block_ids = held.seq.block_table[skip_blocks : held.handle.num_blocks]
         start = time.perf_counter()
         parts = self.runner.export_blocks(
@@ -241,14 +246,18 @@ class KVImports:
         self.num_blocks_reused += len(cached)
         self.pending.append(_Pending(seq, handle, parts, len(cached)))
 
-    def admit(self, max_running: int) -> list[tuple[Sequence, KVHandle]]:
-        """Imports queued handoffs that fit, oldest first, while sequence slots last;
-        returns the sequences now running, each still to be given its first token.
+    def admit(
+        self, max_running: int
+    ) -> tuple[list[tuple[Sequence, KVHandle]], list[tuple[Sequence, KVHandle]]]:
+        """Imports queued handoffs that fit, oldest first, while sequence slots last.
+        Returns the sequences now running and those whose transfer failed
+        (KVTransferError: their export is gone), which hold their blocks for the caller to
+        free and recompute, as after a preemption; each still to be given its first token.
 
         First fit, not strict FIFO: a waiting import pins its reused blocks, so an
         older import that cannot fit must not block a younger one that can (the
         younger one finishing is what frees room for the older)."""
-        admitted = []
+        admitted, lost = [], []
         for p in list(self.pending):
             if len(self.scheduler.running) >= max_running:
                 break
@@ -259,7 +268,14 @@ class KVImports:
             new_blocks = p.seq.block_table[held:]
             if new_blocks:
                 start = time.perf_counter()
-                self.runner.import_blocks(new_blocks, p.parts, p.from_block)
+                try:
+                    self.runner.import_blocks(new_blocks, p.parts, p.from_block)
+                except KVTransferError:
+                    # Pulled here, not prefetched, from an exporter gone since: the
+                    # request is this engine's to finish, from its prompt.
+                    self.runner.release_prefetched(p.parts)
+                    lost.append((p.seq, p.handle))
+                    continue
                 self.import_s += time.perf_counter() - start
             else:  # this engine cached every block meanwhile: the export is not needed
                 self.runner.release_prefetched(p.parts)
@@ -268,7 +284,7 @@ class KVImports:
             self.kv.commit_computed_blocks(p.seq)
             self.scheduler.add_running(p.seq)
             admitted.append((p.seq, p.handle))
-        return admitted
+        return admitted, lost
 
     def unpin_stuck(self) -> list[tuple[Sequence, KVHandle]]:
         """Every queued import but the oldest, taken out of the queue with its prefetched

@@ -92,20 +92,19 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     def valid_tp_degrees(self) -> list[int]:
-        """TP degrees that split both the query heads and the KV heads evenly."""
-        return [
-            d
-            for d in range(1, self.num_key_value_heads + 1)
-            if self.num_key_value_heads % d == 0 and self.num_attention_heads % d == 0
-        ]
+        """TP degrees that split the query heads, the KV heads and the MLP's intermediate
+        width evenly (column-parallel layers shard each)."""
+        sizes = (self.num_attention_heads, self.num_key_value_heads, self.intermediate_size)
+        return [d for d in range(1, self.num_key_value_heads + 1) if all(n % d == 0 for n in sizes)]
 
     def check_tp_degree(self, tp: int, field: str = "tensor_parallel_size") -> None:
-        """ValueError, naming `field` and the valid degrees, unless `tp` splits the heads."""
+        """ValueError, naming `field` and the valid degrees, unless `tp` splits the heads
+        and the MLP."""
         if tp not in self.valid_tp_degrees():
             raise ValueError(
                 f"{field}={tp} does not divide the model's {self.num_attention_heads} "
-                f"attention heads and {self.num_key_value_heads} KV heads; valid degrees: "
-                f"{self.valid_tp_degrees()}"
+                f"attention heads, {self.num_key_value_heads} KV heads and MLP width "
+                f"{self.intermediate_size}; valid degrees: {self.valid_tp_degrees()}"
             )
 
 

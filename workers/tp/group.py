@@ -75,13 +75,15 @@ class TPWorkerGroup:
         self._lock = threading.Lock()  # guards _staged and shutting down
         try:
             address, port = ray.get(self.workers[0].rendezvous_address.remote())
-            self._gather([w.start.remote(address, port, spec) for w in self.workers])
+            self._gather(
+                [w.start.remote(address, port, spec) for w in self.workers], collective=True
+            )
         except BaseException:
             self.shutdown()
             raise
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        return self._gather([w.execute.remote(step) for w in self._ranks()])[0]
+        return self._gather([w.execute.remote(step) for w in self._ranks()], collective=True)[0]
 
     def export_blocks(
         self,
@@ -178,7 +180,8 @@ class TPWorkerGroup:
         return self._gather([w.weight_bytes.remote() for w in self._ranks()])
 
     def time_all_reduce(self, numel: int, iters: int = 50) -> float:
-        return max(self._gather([w.time_all_reduce.remote(numel, iters) for w in self._ranks()]))
+        refs = [w.time_all_reduce.remote(numel, iters) for w in self._ranks()]
+        return max(self._gather(refs, collective=True))
 
     def shutdown(self) -> None:
         """Kills the ranks and frees their placement group; safe to call twice, and from
@@ -204,29 +207,41 @@ class TPWorkerGroup:
             raise EngineDeadError(f"TP worker group unusable: {self._failure}")
         return self.workers
 
-    def _gather(self, refs: list) -> list:
-        """Results of one call on every rank, failing fast when any rank fails.
+    def _gather(self, refs: list, collective: bool = False) -> list:
+        """Results of one call on every rank, failing fast when a rank dies.
 
         Waiting on all ranks together (not rank 0 first) matters: when rank 2
         dies, rank 0 blocks inside an all-reduce, and only rank 2's reference
-        tells what happened.
+        tells what happened. An exception a rank's method raises ends the group only in a
+        `collective` call, whose other ranks may wait in a collective for ever; elsewhere
+        (a handoff's export, pull or import) it is that call's error, raised as its own
+        type once every rank's call has ended, and the group stays usable.
         """
         ray = self._ray
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
+        raised = None
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(done[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                rank = rank_of[done[0]]
-                self._failure = f"TP rank {rank} of {self.tp_size} failed"
-                self.shutdown()
-                raise EngineDeadError(
-                    f"{self._failure}; the worker group is shut down and the engine "
-                    f"must be restarted: {e}"
-                ) from e
+            except ray.exceptions.RayTaskError as e:
+                if collective:
+                    self._fail(rank_of[done[0]], e)
+                raised = raised or e
+            except ray.exceptions.RayActorError as e:
+                self._fail(rank_of[done[0]], e)
+        if raised is not None:
+            raise raised.as_instanceof_cause()
         return ray.get(refs)
+
+    def _fail(self, rank: int, cause: Exception) -> None:
+        self._failure = f"TP rank {rank} of {self.tp_size} failed"
+        self.shutdown()
+        raise EngineDeadError(
+            f"{self._failure}; the worker group is shut down and the engine "
+            f"must be restarted: {cause}"
+        ) from cause
 
 
 def _on_pull_thread(method):
