@@ -68,6 +68,7 @@ class EngineServer:
         self.board = get_or_create_board(self.board_name)
         # The last fire-and-forget call to each (see _replace_lost_actors).
         self._last_publish: Future | None = None
+        self._registry_session: str | None = None  # what the last checked publish returned
         self._last_post: Future | None = None
         self._withdrawn = False  # from routing and the registry, its engine failed
         self._last_heartbeat = time.monotonic()  # to the registry (see record_routing_stats)
@@ -208,12 +209,20 @@ class EngineServer:
     def _replace_lost_actors(self) -> None:
         """The registry and the status board are advisory actors: when one is gone (its
         node died, or it was killed), this replica starts a new one and talks to that.
-        The new registry hears every block this replica caches with its next engine step
-        (an idle replica's, once traffic comes back)."""
+        A registry that forgot this replica (restarted empty by Ray, or it heard nothing
+        from it for its TTL) says so with a new session: then, as for a new registry,
+        it hears every block this replica caches with its next engine step (an idle
+        replica's, once traffic comes back)."""
         if _actor_lost(self._last_publish):
             logger.warning("the prefix registry is gone; starting a new one")
             self._last_publish = None
             self.registry = get_or_create_registry(self.registry_config)
+            self.engine.engine.resend_cached_blocks()
+        session = _answer(self._last_publish)
+        if session is not None and session != self._registry_session:
+            if self._registry_session is not None:
+                logger.warning("the prefix registry forgot this replica; resending its cache")
+            self._registry_session = session
             self.engine.engine.resend_cached_blocks()
         if _actor_lost(self._last_post):
             logger.warning("the status board is gone; starting a new one")
@@ -249,9 +258,19 @@ class EngineServer:
         # Serve calls this on graceful shutdown (scale down, redeploy), and also after a
         # constructor that failed part way: only undo what was done.
         if hasattr(self, "engine"):
-            self.registry.remove_replica.remote(self.replica_id)
-            self.board.remove.remote(self.replica_id)
-            await self.engine.shutdown()
+            try:
+                await self.engine.shutdown()
+            finally:
+                # After the engine's last step, whose batch would add it back.
+                self.registry.remove_replica.remote(self.replica_id)
+                self.board.remove.remote(self.replica_id)
+
+
+def _answer(call: Future | None):
+    """A finished fire-and-forget call's result; None while it runs or if it failed."""
+    if call is None or not call.done() or call.exception() is not None:
+        return None
+    return call.result()
 
 
 def _actor_lost(call: Future | None) -> bool:

@@ -112,7 +112,8 @@ class _Request(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
-    cache_salt: str | None = None
+    # As vLLM: a salt, if given, is not empty (gRPC's proto3 "" is no salt).
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="before")
     @classmethod

@@ -18,8 +18,10 @@ its token ids before reusing it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -95,17 +97,27 @@ class PrefixIndex:
         # or expires; and when each was last heard from.
         self._by_replica: dict[str, set[BlockHash]] = {}
         self._last_heard: dict[str, float] = {}
+        # Each known replica's session (see publish): unique across restarts of the actor.
+        self._sessions: dict[str, str] = {}
+        self._session_ids = (f"{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count(1))
         self._num_dropped = 0
         self._num_queries = 0
         self._num_expired_replicas = 0
 
     def publish(
         self, replica_id: str, stored: Iterable[BlockHash], evicted: Iterable[BlockHash]
-    ) -> None:
+    ) -> str:
         """Applies one batch of a replica's events: evictions first, then stores. An
-        empty batch is the replica's heartbeat."""
+        empty batch is the replica's heartbeat.
+
+        Returns the replica's session: a new one whenever the index did not know the
+        replica (its first batch; after it expired or was removed; every replica's, in a
+        registry restarted empty). The index holds only what the session's batches
+        said, so a replica that sees its session change sends its whole cache again."""
         _check_replica_id(replica_id)
         stored, evicted = _checked_hashes(stored), _checked_hashes(evicted)
+        if replica_id not in self._by_replica:
+            self._sessions[replica_id] = next(self._session_ids)
         held = self._by_replica.setdefault(replica_id, set())
         self._last_heard[replica_id] = self._clock()
         for h in evicted:
@@ -126,6 +138,7 @@ class PrefixIndex:
             (h, owner), _ = self._lru.popitem(last=False)
             self._forget(h, owner, self._by_replica[owner])
             self._num_dropped += 1
+        return self._sessions[replica_id]
 
     def longest_prefixes(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """For hashes in prompt order: each known replica -> how many leading ones it holds."""
@@ -157,6 +170,7 @@ class PrefixIndex:
     def remove_replica(self, replica_id: str) -> int:
         """Forgets a replica and all it held; returns how many entries went."""
         self._last_heard.pop(replica_id, None)
+        self._sessions.pop(replica_id, None)
         held = self._by_replica.pop(replica_id, set())
         for h in held:
             del self._lru[(h, replica_id)]
@@ -195,8 +209,8 @@ class PrefixRegistry:
     def __init__(self, max_entries: int, replica_ttl_s: float):
         self._index = PrefixIndex(max_entries, replica_ttl_s)
 
-    def publish(self, replica_id: str, stored: list[BlockHash], evicted: list[BlockHash]) -> None:
-        self._index.publish(replica_id, stored, evicted)
+    def publish(self, replica_id: str, stored: list[BlockHash], evicted: list[BlockHash]) -> str:
+        return self._index.publish(replica_id, stored, evicted)
 
     def longest_prefixes(self, hashes: list[BlockHash]) -> dict[str, int]:
         return self._index.longest_prefixes(hashes)

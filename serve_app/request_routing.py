@@ -17,7 +17,10 @@ The order, per request:
 A replica whose engine has failed (its routing stats say `healthy: 0`) is left out while
 any other can take the request.
 
-Serve tries the ranks in order and skips replicas at their max_ongoing_requests.
+Serve tries the ranks in order and skips replicas at their max_ongoing_requests: every
+replica is ranked, so a full prefix holder never keeps a request from one with room. A
+choice goes to the request it was made for (Serve's default, not `FIFOMixin`, which would
+hand it to the oldest pending request, whose prefix may be elsewhere).
 
 A router's output subscription (`Subscription`, output_mux.py) goes to the replica it
 names; if that replica is gone, it is ranked like a request (the router sees where it
@@ -29,7 +32,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from serve_app.protocol import ROUTING_HINT_ATTR, Subscription
 
@@ -61,7 +64,7 @@ def rank_candidates(
     return sorted(shuffled, key=key)  # stable: ties keep the random order
 
 
-class KVAwareRequestRouter(FIFOMixin, RequestRouter):
+class KVAwareRequestRouter(RequestRouter):
     def initialize_state(self, imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD) -> None:
         if imbalance_threshold < 0:
             raise ValueError(f"imbalance_threshold must be >= 0, got {imbalance_threshold}")
@@ -87,8 +90,7 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             [self._candidate(r, hits) for r in healthy],
             getattr(self, "imbalance_threshold", DEFAULT_IMBALANCE_THRESHOLD),
         )
-        # Two ranks, like Serve's own router: if the best refuses (full), the runner-up.
-        return [[by_id[c.replica_id]] for c in ranked[:2]]
+        return [[by_id[c.replica_id]] for c in ranked]
 
     def _candidate(self, replica: RunningReplica, hits: dict[str, int]) -> Candidate:
         rid = replica.replica_id.unique_id

@@ -195,6 +195,7 @@ def test_null_means_the_default_for_every_optional_field():
         (CompletionRequest, _completion(top_p=float("nan")), "top_p", "finite"),
         (ChatCompletionRequest, _chat(logprobs=1), "logprobs", "valid boolean"),
         (CompletionRequest, _completion(stream=1), "stream", "valid boolean"),
+        (ChatCompletionRequest, _chat(cache_salt=""), "cache_salt", "at least 1 character"),
         # Unions are named as a whole, not by pydantic's first branch.
         (CompletionRequest, _completion(stop=[1]), "stop", "a string or an array of strings"),
         (CompletionRequest, _completion(prompt=5), "prompt", "an array of token ids"),

@@ -114,6 +114,22 @@ def test_a_replica_not_heard_from_for_its_ttl_is_forgotten():
     assert stats["expired_replicas"] == 1 and stats["entries"] == 2 and stats["replicas"] == 1
 
 
+def test_a_replica_gets_a_new_session_whenever_the_index_forgot_it():
+    now = [0.0]
+    index = PrefixIndex(100, replica_ttl_s=60.0, clock=lambda: now[0])
+    first = index.publish("r", PROMPT[:2], [])
+    assert index.publish("r", [], []) == first  # known: the same session
+    now[0] = 61.0
+    assert index.longest_prefixes(PROMPT) == {}  # expired, with all it held
+    after_expiry = index.publish("r", [], [])  # its next heartbeat
+    assert after_expiry != first and index.longest_prefixes(PROMPT) == {"r": 0}
+    index.remove_replica("r")
+    after_removal = index.publish("r", [], [])
+    # A restarted registry is a new index: its sessions are none of the old ones.
+    restarted = PrefixIndex(100).publish("r", [], [])
+    assert len({first, after_expiry, after_removal, restarted}) == 4
+
+
 def test_a_ttl_within_the_heartbeat_is_refused():
     with pytest.raises(ValueError, match="replica_ttl_s must exceed"):
         PrefixRegistryConfig(replica_ttl_s=HEARTBEAT_S)
@@ -248,6 +264,25 @@ def test_get_or_create_finds_the_same_named_actor(ray_cluster, registry, request
     assert ray.get(again.longest_prefixes.remote(PROMPT)) == {"r1": 2}
     named = ray.get_actor(f"registry-{request.node.name}", namespace="baton")
     assert ray.get(named.stats.remote())["entries"] == 2
+
+
+@pytest.mark.slow
+def test_a_restarted_actor_starts_every_replica_on_a_new_session(ray_cluster, registry):
+    ray = ray_cluster
+    before = ray.get(registry.publish.remote("r1", PROMPT[:3], []))
+    ray.kill(registry, no_restart=False)  # as when its node goes: Ray starts it again, empty
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, "the registry was never restarted"
+        try:
+            if not ray.get(registry.stats.remote())["replicas"]:
+                break
+        except ray.exceptions.ActorUnavailableError:  # while it restarts
+            pass
+        time.sleep(0.1)
+    after = ray.get(registry.publish.remote("r1", [], []))
+    assert after != before
+    assert ray.get(registry.longest_prefixes.remote(PROMPT)) == {"r1": 0}
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from ray.serve.request_router import FIFOMixin
 
 from serve_app.protocol import ROUTING_HINT_ATTR, Subscription
 from serve_app.request_routing import Candidate, KVAwareRequestRouter, rank_candidates
@@ -65,13 +66,28 @@ def _choose(router, replicas, first) -> list[list[str]]:
     return [[r.replica_id.unique_id for r in rank] for rank in ranks]
 
 
-def test_a_request_goes_to_its_prefix_holder_then_the_runner_up_only():
+def test_a_request_goes_to_its_prefix_holder_then_to_every_other_replica_in_order():
     replicas = [
         _replica(r, num_ongoing=0, kv_free_fraction=f)
         for r, f in (("a", 0.9), ("b", 0.5), ("c", 0.1))
     ]
     request = SimpleNamespace(**{ROUTING_HINT_ATTR: {"c": 3}})
-    assert _choose(_router(), replicas, request) == [["c"], ["a"]]
+    assert _choose(_router(), replicas, request) == [["c"], ["a"], ["b"]]
+
+
+def test_full_prefix_holders_do_not_keep_a_request_from_a_replica_with_room():
+    # r1 and r2 hold the longest prefixes and are full (Serve skips them); r3, within the
+    # imbalance threshold of them, has room and must be among the ranks Serve tries.
+    replicas = [_replica(r) for r in ("r1", "r2", "r3")]
+    request = SimpleNamespace(**{ROUTING_HINT_ATTR: {"r1": 10, "r2": 9, "r3": 8}})
+    ranks = _choose(_router({"r1": 129, "r2": 129, "r3": 122}), replicas, request)
+    assert ranks == [["r1"], ["r2"], ["r3"]]
+
+
+def test_a_choice_goes_to_the_request_it_was_made_for():
+    # Serve's own fulfilment matches the request; FIFOMixin's would hand a replica ranked
+    # for one request's prefix to whichever request has waited longest.
+    assert not issubclass(KVAwareRequestRouter, FIFOMixin)
 
 
 def test_the_queue_length_this_handle_saw_beats_the_periodic_stats():

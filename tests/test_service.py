@@ -512,27 +512,56 @@ def test_status_shows_each_replicas_role_dtype_and_tp(service):
     assert "aggregated" not in text  # the other application's replica
 
 
-def test_losing_the_prefix_registry_costs_routing_hints_not_requests(disagg, smollm2_dir):
+def _cached_prompt_hashes(disagg, model_dir, text: str) -> list:
+    """The block hashes of a prompt the replicas have just cached, once the registry holds
+    them."""
+    disagg.generate_unary(_greedy(text, max_tokens=2))
+    frontend = ModelFrontend(model_dir, model_identity(model_dir), 16, 1088)
+    ids = frontend.tokenize(PromptInput(text=text))
+    hashes = frontend.build_request("q", ids, SamplingParams(max_tokens=1), None).block_hashes
     config = PrefixRegistryConfig()
     registry = ray.get_actor(config.name, namespace=config.namespace)
-    earlier = "A prompt the replicas cache before their prefix registry is lost. " * 4
-    disagg.generate_unary(_greedy(earlier, max_tokens=2))
-    frontend = ModelFrontend(smollm2_dir, model_identity(smollm2_dir), 16, 1088)
-    ids = frontend.tokenize(PromptInput(text=earlier))
-    hashes = frontend.build_request("q", ids, SamplingParams(max_tokens=1), None).block_hashes
     _wait_until_known(registry, hashes, "the registry never heard of a cached prompt")
-    ray.kill(registry)
+    return hashes
+
+
+def _wait_until_told_again(disagg, hashes, prompt: str) -> None:
+    """Until the registry (a new or restarted one) holds `hashes` again: replicas resend
+    their cache with an engine step, so they are given steps to take."""
+    config = PrefixRegistryConfig()
+    deadline = time.monotonic() + 30
+    while True:
+        registry = ray.get_actor(config.name, namespace=config.namespace)
+        try:
+            if _holds(registry, hashes):
+                return
+        except ray.exceptions.ActorUnavailableError:  # while Ray restarts it
+            pass
+        assert time.monotonic() < deadline, "the registry never heard of the earlier prompt"
+        disagg.generate_unary(_greedy(f"{prompt} Again at {time.monotonic()}.", max_tokens=2))
+        time.sleep(1)
+
+
+def test_losing_the_prefix_registry_costs_routing_hints_not_requests(disagg, smollm2_dir):
+    earlier = "A prompt the replicas cache before their prefix registry is lost. " * 4
+    hashes = _cached_prompt_hashes(disagg, smollm2_dir, earlier)
+    config = PrefixRegistryConfig()
+    ray.kill(ray.get_actor(config.name, namespace=config.namespace))
     prompt = "A prompt long enough to be hashed and looked up in the registry. " * 4
     assert disagg.generate_unary(_greedy(prompt, max_tokens=4)).usage.completion_tokens == 4
     # The router started a new registry; the replicas, finding theirs gone, publish to it
     # all they hold, the prompt cached before the loss among it.
-    registry = ray.get_actor(config.name, namespace=config.namespace)
-    deadline = time.monotonic() + 30
-    while not _holds(registry, hashes):
-        assert time.monotonic() < deadline, "the new registry never heard of the earlier prompt"
-        # Replicas resend their cache with an engine step: give them steps to take.
-        disagg.generate_unary(_greedy(f"{prompt} Again at {time.monotonic()}.", max_tokens=2))
-        time.sleep(1)
+    _wait_until_told_again(disagg, hashes, prompt)
+
+
+def test_a_registry_restarted_empty_hears_every_replicas_cache_again(disagg, smollm2_dir):
+    """Ray restarts the registry (its node went): calls to it go on succeeding, and the
+    replicas learn it forgot them from the new session their next publish returns."""
+    earlier = "A prompt the replicas cache before their prefix registry restarts. " * 4
+    hashes = _cached_prompt_hashes(disagg, smollm2_dir, earlier)
+    config = PrefixRegistryConfig()
+    ray.kill(ray.get_actor(config.name, namespace=config.namespace), no_restart=False)
+    _wait_until_told_again(disagg, hashes, "Another prompt, to give the replicas steps. " * 4)
 
 
 def test_every_pool_gets_all_its_blocks_back(service):

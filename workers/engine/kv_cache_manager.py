@@ -147,9 +147,10 @@ class KVCacheManager:
         seq.num_committed_blocks = 0
 
     def resend_cached(self) -> None:
-        """Makes the next flush hand `on_events` every cached block as stored, and nothing
-        evicted: the whole state, for a listener that lost what it was told (a prefix
-        registry that replaced a lost one). Callable from any thread: it only sets a flag."""
+        """Makes the next flush hand `on_events` every cached block as stored (and what the
+        batch evicted, which a listener applies first): the whole state, for a listener
+        that lost what it was told (a prefix registry restarted, or one that forgot this
+        engine). Callable from any thread: it only sets a flag."""
         self._resend_all = True
 
     def flush_events(self) -> None:
@@ -157,7 +158,7 @@ class KVCacheManager:
         stored, evicted = self.pool.take_events()
         if self._resend_all:
             self._resend_all = False
-            stored, evicted = self.pool.cached_hashes(), []
+            stored = self.pool.cached_hashes()
         if self.on_events is not None and (stored or evicted):
             try:
                 self.on_events(stored, evicted)
