@@ -18,9 +18,14 @@ A replica whose engine has failed (its routing stats say `healthy: 0`) is left o
 any other can take the request.
 
 Serve tries the ranks in order and skips replicas at their max_ongoing_requests: every
-replica is ranked, so a full prefix holder never keeps a request from one with room. A
-choice goes to the request it was made for (Serve's default, not `FIFOMixin`, which would
-hand it to the oldest pending request, whose prefix may be elsewhere).
+replica is ranked, so a full prefix holder never keeps a request from one with room.
+
+`FIFOMixin` gives a chosen replica to the oldest pending request, not always the one it
+was ranked for: under contention a prefix hit can go to another request. Serve's own
+matching (by internal request id) cannot replace it, as every call a replica makes while
+serving one request (a router's choices and its output subscription, a decode replica's
+prefill calls) carries that request's id: only the first is indexed, and the routing
+task of another would never see its request fulfilled and spin.
 
 A router's output subscription (`Subscription`, output_mux.py) goes to the replica it
 names; if that replica is gone, it is ranked like a request (the router sees where it
@@ -32,7 +37,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from serve_app.protocol import ROUTING_HINT_ATTR, Subscription
 
@@ -64,7 +69,7 @@ def rank_candidates(
     return sorted(shuffled, key=key)  # stable: ties keep the random order
 
 
-class KVAwareRequestRouter(RequestRouter):
+class KVAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD) -> None:
         if imbalance_threshold < 0:
             raise ValueError(f"imbalance_threshold must be >= 0, got {imbalance_threshold}")
