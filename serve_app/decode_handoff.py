@@ -213,6 +213,7 @@ class DecodeHandoff:
                     if transport is None:
                         transport = OBJECT_STORE
                         self.stats.num_transfer_retries += 1
+                        del result, response  # not pinned through the retry
                         continue
                     del result, response  # not pinned through the recompute
                     reserved.release()

@@ -39,7 +39,9 @@ from serve_app.status_board import get_or_create_board
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import BlockHash
 from workers.engine.config import kv_cache_bytes_per_block
+from workers.engine.errors import EngineDeadError
 from workers.engine.outputs import RequestOutput
+from workers.engine.sequence import FinishReason
 from workers.model.loader import model_identity
 
 logger = logging.getLogger(__name__)
@@ -157,6 +159,10 @@ class EngineServer:
             final = out
         assert final is not None and final.finished
         prefill_s = time.perf_counter() - start
+        if final.finish_reason is FinishReason.ABORT:
+            # This replica is shutting down: a failure for decode to recover from (it
+            # recomputes the prompt), not a request that ended at its first token.
+            raise EngineDeadError(f"the prefill replica aborted {rid}: it is stopping")
         if final.handoff is None:  # the first token ended the request: nothing to hand off
             return PrefillResult(final, None, [], prefill_s)
         released = False

@@ -27,6 +27,7 @@ The protocol, per router and engine replica:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -219,7 +220,13 @@ class OutputDemux:
         if replica_id not in self._subscriptions:
             sub = Subscription(self.router_id, replica_id, uuid.uuid4().hex)
             self._subscription_ids[replica_id] = sub.subscription_id
-            self._subscriptions[replica_id] = asyncio.ensure_future(self._run_subscription(sub))
+            # In a context of its own, not the request's that opens it: Serve would make
+            # the subscribe call a child of that client request and cancel it, with every
+            # stream it carries, when that one client leaves.
+            run = contextvars.Context().run
+            self._subscriptions[replica_id] = run(
+                asyncio.ensure_future, self._run_subscription(sub)
+            )
 
     async def _run_subscription(self, sub: Subscription) -> None:
         replica_id = sub.replica_id

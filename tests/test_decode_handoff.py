@@ -20,6 +20,7 @@ from workers.engine.block_hash import hash_full_blocks, root_hash
 from workers.engine.kv_transfer import StalePrefixError
 from workers.engine.kv_transport import KVTransferError
 from workers.engine.outputs import RequestOutput
+from workers.engine.sequence import FinishReason
 
 PROMPT = list(range(5, 45))  # 2 full blocks of 16 and a partial one
 BLOCK_BYTES = 4096  # what each block of an export counts for in the handoff budget
@@ -123,6 +124,37 @@ def test_a_failed_prefill_call_is_recomputed_on_decode_with_the_same_output(mode
     # The prompt's two full blocks were cached by the run alone: only the rest is redone.
     assert stats.num_recomputed_tokens == recomputed[0] == len(PROMPT) - 2 * 16
     assert "RayActorError" in stats.last_failure
+
+
+class _StoppingPrefill(AsyncEngine):
+    """Ends each prefill with an ABORT and no handoff, as a prefill replica that is
+    stopping does to the prefills it has in flight."""
+
+    async def generate(self, request_id, *args, **kwargs):
+        yield RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ABORT)
+
+
+def test_a_prefill_its_stopping_replica_aborted_is_recomputed_on_decode(model_dir):
+    """Not handed on as the request's end (an ABORT with no tokens): the prefill replica
+    failed it, and decode computes the prompt itself."""
+    recomputed = []
+
+    async def main():
+        prefill = _StoppingPrefill(_engine(model_dir))
+        decode, cold = AsyncEngine(_engine(model_dir)), AsyncEngine(_engine(model_dir))
+        try:
+            want = [t for o in await _collect(cold, "alone", PROMPT) for t in o.new_token_ids]
+            handoff = _handoff(decode, _LivePrefillPool(prefill), recomputed)
+            got = await _tokens(handoff.generate(_request(decode, PROMPT)))
+            return want, got, handoff.stats
+        finally:
+            for engine in (prefill, decode, cold):
+                await engine.shutdown()
+
+    want, got, stats = asyncio.run(main())
+    assert got == want and len(got) == GREEDY.max_tokens
+    assert stats.num_recomputed_tokens == recomputed[0] == len(PROMPT)
+    assert "it is stopping" in stats.last_failure
 
 
 def test_a_prefix_that_goes_stale_on_every_try_is_recomputed_not_failed(model_dir):

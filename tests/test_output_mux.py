@@ -4,6 +4,7 @@ event loop, with each "remote call" a task of its own, cancelled as Serve cancel
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import pytest
 
@@ -87,6 +88,10 @@ class Engine:
             await asyncio.sleep(0)
 
 
+# Stands for Serve's request context, which a call made from a request's task inherits.
+REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar("request", default=None)
+
+
 def _out(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
     return RequestOutput(rid, tokens, "", finished=finished, num_output_tokens=tokens[-1])
 
@@ -100,11 +105,13 @@ class Service:
         self.channels = OutputChannels("replica-a", idle_s=idle_s)
         self.subscriptions: list[Call] = []
         self.subs: list[Subscription] = []  # what each subscribe call asked for
+        self.subscribed_in: list[str | None] = []  # the REQUEST each was called in
 
         def subscribe(sub: Subscription) -> Call:
             call = Call((elsewhere or self.channels).subscribe(sub))
             self.subscriptions.append(call)
             self.subs.append(sub)
+            self.subscribed_in.append(REQUEST.get())
             return call
 
         self.demux = OutputDemux(subscribe)
@@ -177,6 +184,26 @@ def test_the_first_request_streams_on_its_call_and_later_ones_share_a_subscripti
         stats = svc.channels.stats()
         assert stats["num_muxed_requests"] == 4
         assert stats["num_batches"] == 4 and stats["num_outputs"] == 16  # a batch per step
+        svc.demux.close()
+
+    asyncio.run(main())
+
+
+def test_a_subscription_is_no_requests_child_call():
+    """Opened while one request is served, the subscribe call must not run in that
+    request's context: Serve makes such a call a child of the request and cancels it,
+    with every stream it carries, when that request's client leaves."""
+
+    async def main():
+        svc = Service()
+
+        async def serve_r0() -> list[int]:
+            REQUEST.set("r0")
+            return await svc.run_alone("r0", 1)
+
+        assert await asyncio.ensure_future(serve_r0()) == [1]
+        await svc.subscribed()
+        assert svc.subscribed_in == [None]
         svc.demux.close()
 
     asyncio.run(main())

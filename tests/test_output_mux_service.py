@@ -77,3 +77,41 @@ def test_a_dying_engine_replica_fails_its_muxed_streams_as_unavailable_and_is_re
     finally:
         serve.delete(APP)
         serve.shutdown()
+
+
+def test_the_client_that_opened_a_subscription_leaving_cuts_no_other_stream(
+    ray_cluster, smollm2_dir, serve_ports
+):
+    """The subscription opens while its first request is served; Serve cancels that
+    request's child calls when its client leaves, and the subscription must not be one.
+    (Over Ray actor calls, where Serve 2.60 cancels every child; over its gRPC channel
+    it stops at the first, which hides the same mistake.)"""
+    app = "opener-leaves"
+    config = AppConfig(
+        model=str(smollm2_dir),
+        mode="aggregated",
+        output_channel="actor_call",
+        aggregated=PoolConfig(kv_cache_bytes=KV),
+        status_board_name="baton-status-opener",
+    )
+    service_ops.deploy(config, app_name=app, route_prefix=f"/{app}", **serve_ports)
+    stats = serve.get_deployment_handle("EngineServer", app_name=app).stats
+    try:
+        with BatonClient(f"127.0.0.1:{serve_ports['grpc_port']}", application=app) as client:
+            long = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}
+            opener = client.generate(generate_request("Opener:", **long), timeout=120)
+            assert next(opener).token_ids  # on its own call: the router now subscribes
+            wait_for(lambda: stats.remote().result()["mux"]["open_subscriptions"], "a subscription")
+            others = [
+                client.generate(generate_request(f"Story {i}:", **long), timeout=120)
+                for i in range(2)
+            ]
+            for stream in others:
+                assert next(stream).token_ids
+            assert stats.remote().result()["mux"]["num_muxed_requests"] == 2
+            opener.cancel()
+            for stream in others:
+                assert len([msg for msg in stream]) == 200 - 1
+    finally:
+        serve.delete(app)
+        serve.shutdown()
