@@ -131,13 +131,18 @@ rayStartParams `resources` would replace it) and CPUs for router.replicas x numC
 {{- $source = "head.rayStartParams.num-cpus" }}
 {{- end }}
 {{- if and $cpu (ne $cpu "<nil>") }}
-{{- $headCpus := ceil (ternary (divf (trimSuffix "m" $cpu | float64) 1000) (float64 $cpu) (hasSuffix "m" $cpu)) }}
+{{- $headCpus := include "baton.cpus" $cpu | float64 }}
 {{- $needCpus := mulf $router.replicas $router.numCpus }}
 {{- if lt $headCpus $needCpus }}
 {{- fail (printf "router.replicas (%v) x router.numCpus (%v) needs %v CPUs on the head (router.onHead) but it has %v (%s): give the head more CPUs, lower router.numCpus, or set router.onHead=false" $router.replicas $router.numCpus $needCpus $headCpus $source) }}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* A Kubernetes CPU quantity ("2", "1500m") as the whole CPUs Ray counts (rounded up). */}}
+{{- define "baton.cpus" -}}
+{{- ceil (ternary (divf (trimSuffix "m" . | float64) 1000) (float64 .) (hasSuffix "m" .)) }}
 {{- end }}
 
 {{/* The router replicas' Ray resources, as JSON: router.rayResources, plus one unit of
@@ -166,7 +171,7 @@ the replica takes replica.numGpus. Ray counts a pod's CPUs and GPUs from its lim
 {{- $ranks := ternary $tp 0 (gt $tp 1) }}
 {{- $cpu := toString (default (index $requests "cpu") (index $limits "cpu")) }}
 {{- if and $cpu (ne $cpu "<nil>") }}
-{{- $podCpus := ceil (ternary (divf (trimSuffix "m" $cpu | float64) 1000) (float64 $cpu) (hasSuffix "m" $cpu)) }}
+{{- $podCpus := include "baton.cpus" $cpu | float64 }}
 {{- $needCpus := addf $r.numCpus $ranks }}
 {{- if lt $podCpus $needCpus }}
 {{- fail (printf "%s pods have %v CPUs (%s.resources) but one replica needs %v: %s.replica.numCpus=%v plus %d TP ranks at 1 CPU each (%s.tensorParallelSize=%d)" $role $podCpus $role $needCpus $role $r.numCpus $ranks $role $tp) }}
