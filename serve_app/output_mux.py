@@ -20,8 +20,9 @@ The protocol, per router and engine replica:
 - A muxed `generate` call stays open until its request's last output is in the channel:
   it ends normally, or raises the request's error, which the router delivers in order.
 - A subscription ends when its router has had no muxed request on the replica for
-  `idle_s` (a drained replica is thus never held up for long) or when either side fails;
-  the router then fails the requests it was carrying, and each replica-side pump stops.
+  `idle_s` (a drained replica is thus never held up for long), when either side fails
+  (the router then fails the requests it was carrying, and each replica-side pump
+  stops), or when its router opens another one to the replica, which takes it over.
 """
 
 from __future__ import annotations
@@ -66,10 +67,18 @@ class OutputChannel:
         self._pending.setdefault(out.request_id, []).append(out)
         self._ready.set()
 
+    def close(self) -> None:
+        """Ends the channel: its subscription's next wait returns None, and its muxed
+        streams' next outputs fail (their router has already failed their requests)."""
+        self.closed = True
+        self._ready.set()
+
     async def next_batch(self, idle_s: float) -> list[RequestOutput] | None:
         """Everything pending, one output per request; None once the channel has been idle
-        (no pending output, no muxed request) for `idle_s`."""
+        (no pending output, no muxed request) for `idle_s`, or has been closed."""
         while not self._pending:
+            if self.closed:
+                return None
             self._ready.clear()
             try:
                 await asyncio.wait_for(self._ready.wait(), idle_s)
@@ -136,8 +145,14 @@ class OutputChannels:
             # here would mark this replica's next streams for that router as muxed,
             # on a subscription the router does not have.
             return
-        if sub.router_id in self._channels:
-            return  # the router has one here already: this duplicate just ends
+        old = self._channels.get(sub.router_id)
+        if old is not None:
+            if old.subscription_id == sub.subscription_id:
+                return  # the same call again: this duplicate just ends
+            # The router opens a new subscription only once it has given up the old one;
+            # one that failed on its side alone would otherwise hold this channel (and
+            # fail the router's muxed streams here) until the channel idled out.
+            old.close()
         channel = self._channels[sub.router_id] = OutputChannel(sub.subscription_id)
         self.totals.num_subscriptions += 1
         try:
@@ -146,8 +161,9 @@ class OutputChannels:
                 self.totals.num_outputs += len(batch)
                 yield batch
         finally:
-            channel.closed = True
-            del self._channels[sub.router_id]
+            channel.close()
+            if self._channels.get(sub.router_id) is channel:
+                del self._channels[sub.router_id]
 
 
 # -- router side -------------------------------------------------------------------
@@ -196,6 +212,10 @@ class OutputDemux:
                 return
             current = self._subscription_ids.get(start.replica_id)
             if current is None or start.subscription_id not in (None, current):
+                if current is None:
+                    # The replica still holds a channel this router has given up: a new
+                    # subscription takes it over, for the requests after this one.
+                    self._ensure_subscription(start.replica_id)
                 # Its outputs went to a subscription that has ended: they are lost.
                 raise SubscriptionLost(f"no subscription to replica {start.replica_id}")
             self._queues[request_id] = (start.replica_id, queue)

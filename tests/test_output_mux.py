@@ -324,10 +324,10 @@ def test_a_muxed_start_naming_an_ended_subscription_fails_instead_of_waiting_for
     asyncio.run(main())
 
 
-def test_a_second_subscription_of_one_router_to_one_replica_just_ends():
+def test_the_same_subscribe_call_again_just_ends():
     async def main():
         channels = OutputChannels("replica-a")
-        sub = Subscription("router-1", "replica-a")
+        sub = Subscription("router-1", "replica-a", "sub-1")
         first = channels.subscribe(sub)
         assert await anext(first) == "replica-a"
         pending = asyncio.ensure_future(anext(first))
@@ -335,7 +335,30 @@ def test_a_second_subscription_of_one_router_to_one_replica_just_ends():
         second = channels.subscribe(sub)
         assert [item async for item in second] == ["replica-a"]
         assert channels.stats()["open_subscriptions"] == 1
+        assert not pending.done()
         pending.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_routers_new_subscription_replaces_one_that_ended_only_on_its_side():
+    # The router gave up its subscription, but the replica never saw that call end: the
+    # router's next subscription takes the channel over at once, rather than each of its
+    # muxed streams here failing until the old channel idles out.
+    async def main():
+        svc = Service(idle_s=60.0)
+        old = Call(svc.channels.subscribe(Subscription(svc.demux.router_id, "replica-a", "old")))
+        assert await anext(old) == "replica-a"
+        assert svc.channels.stats()["open_subscriptions"] == 1
+        with pytest.raises(SubscriptionLost):  # muxed into the channel the router gave up
+            await svc.run_alone("r0", 1)
+        await _eventually(lambda: svc.subs and old.done())  # and a new subscription took over
+        async for _ in old:  # the old call ended, with no error, r0's output in it or not
+            pass
+        assert svc.channels.stats()["open_subscriptions"] == 1
+        assert svc.channels.stats()["num_subscriptions"] == 2
+        assert await svc.run_alone("r1", 2) == [2]
+        assert svc.channels.stats()["num_muxed_requests"] == 2  # r0 on the old, r1 the new
 
     asyncio.run(main())
 
