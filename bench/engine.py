@@ -105,9 +105,13 @@ def main() -> None:
     engine_ngram = LLMEngine(replace(config, speculative=speculative))
     lookup = {"prompt_lookup_num_tokens": speculative.num_tokens}
     log("loading transformers' reference from the GGUF file")
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
-    ).eval().to(args.device)
+    hf = (
+        AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
+        )
+        .eval()
+        .to(args.device)
+    )
     tok = engine.tokenizer
     single = [topic_prompt(tok, TOPICS[0], 32)]
     batches = {c: [topic_prompt(tok, TOPICS[i], 32) for i in range(c)] for c in (8, 32)}

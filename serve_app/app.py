@@ -34,7 +34,7 @@ HEALTH_CHECK_PERIOD_S = 2.0
 
 
 @functools.cache
-def _source_digest() -> str:
+def source_digest() -> str:
     """Digest of Baton's own code, so a redeploy after a code change does roll replicas."""
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def _pin_version(deployment, role: str, replica_args: AppConfig):
+def _pin_version(deployment, role: str, replica_args: AppConfig, code_version: str):
     """Pins the deployment's version to its code and its replicas' arguments.
 
     Serve's Python API gives every deployment a random version on each `serve.run`, so a
@@ -53,7 +53,7 @@ def _pin_version(deployment, role: str, replica_args: AppConfig):
     replicas of the pool being scaled. (Serve dropped the public `version` option and
     computes its own only for config-file deploys, hence the attribute.)
     """
-    text = json.dumps([_source_digest(), role, replica_args.model_dump(mode="json")])
+    text = json.dumps([code_version, role, replica_args.model_dump(mode="json")])
     deployment._version = hashlib.sha256(text.encode()).hexdigest()[:16]
     return deployment
 
@@ -92,7 +92,7 @@ def validate(config: AppConfig) -> None:
     """Checks that need the model (TP degrees) or the environment (the transport's
     package); ValueError naming the field."""
     if config.mode == "disaggregated":
-        check_transport(config.kv_transport())
+        check_transport(config.kv_transport(), "transport")
     model = ModelConfig.from_pretrained(config.model_dir())
     for role, pool in config.pools().items():
         model.check_tp_degree(pool.tensor_parallel_size, f"{role}.tensor_parallel_size")
@@ -102,7 +102,16 @@ def validate(config: AppConfig) -> None:
 
 
 def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
+    """The application for `args` (a config file's `args`, or an AppConfig). Serve calls
+    a builder with that one argument only."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    return build_versioned_app(config, source_digest())
+
+
+def build_versioned_app(config: AppConfig, code_version: str) -> Application:
+    """`build_app` with the deployments' versions standing for `code_version`: `baton
+    scale` passes the one the service was deployed with, so that code edited since
+    does not roll every pool."""
     validate(config)
     # Replicas never see replica counts: a rescale then leaves every deployment's
     # arguments as they were, and Serve adds or drains replicas instead of restarting.
@@ -121,12 +130,12 @@ def build_app(args: AppConfig | dict[str, Any] | None = None) -> Application:
             "resources": dict(config.router.resources),
         },
     )
-    router = _pin_version(router_deployment, "router", replica_args)
+    router = _pin_version(router_deployment, "router", replica_args, code_version)
     engine = serve.deployment(EngineServer)
 
     def pool(role: str, *extra: Any):
         options = _pool_options(role, config.pools()[role], config.router.num_replicas)
-        deployment = _pin_version(engine.options(**options), role, replica_args)
+        deployment = _pin_version(engine.options(**options), role, replica_args, code_version)
         return deployment.bind(replica_args, role, *extra)
 
     if config.mode == "aggregated":

@@ -320,11 +320,13 @@ def _status(args: argparse.Namespace) -> int:
     report = service_ops.status(**_app_name(args))
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
-    from serve_app.status_text import status_lines
+    else:
+        from serve_app.status_text import status_lines
 
-    print("\n".join(status_lines(report)))
-    return 0
+        print("\n".join(status_lines(report)))
+    # For scripts and probes: 1 while the application is not running (deploying,
+    # unhealthy, failed), as the lines above say why.
+    return 0 if report["status"] == "RUNNING" else 1
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -388,6 +390,17 @@ def main(argv: list[str] | None = None) -> int:
         # The service's failure, not the command line's (a deploy that failed, a
         # `ray start` that did not): said in one line, as the rest, with exit status 1.
         print(f"baton: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130  # the shell's code for an interrupt, without Python's traceback
+    except Exception as e:
+        # What Ray or Serve refused (a route prefix another application holds, a task
+        # that failed remotely) is the service's answer; anything else is Baton's bug,
+        # whose traceback is wanted.
+        if not type(e).__module__.startswith("ray."):
+            raise
+        cause = getattr(e, "cause", None) or e  # a remote task's own error
+        print(f"baton: error: {type(cause).__name__}: {cause}", file=sys.stderr)
         return 1
 
 

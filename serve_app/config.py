@@ -8,9 +8,16 @@ meet the same rules. Engines receive plain `EngineConfig`s built from it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from serve_app.status_board import DEFAULT_BOARD_NAME
 from workers.engine.config import EngineConfig, SpeculativeConfig
@@ -37,6 +44,23 @@ OutputChannel = Literal["grpc", "actor_call"]
 # "auto": float32 on CPU, bfloat16 on CUDA. bfloat16 on a CPU with AMX or AVX512-BF16
 # roughly doubles batched decode and prefill throughput (bench/engine.py --dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+# Ray's own resources have fields of their own (num_cpus, num_gpus); in `resources`
+# Ray would refuse them only once a replica is placed.
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def _custom_resources(resources: dict[str, float]) -> dict[str, float]:
+    for name, amount in resources.items():
+        if name in _RAY_BUILTIN_RESOURCES:
+            raise ValueError(f"{name!r} is Ray's own resource: set num_cpus or num_gpus instead")
+        if amount < 0:
+            raise ValueError(f"{name!r} must be >= 0, got {amount}")
+    return resources
+
+
+# Custom Ray resources, each a non-negative amount.
+CustomResources = Annotated[dict[str, float], AfterValidator(_custom_resources)]
 
 
 class _Frozen(BaseModel):
@@ -71,7 +95,7 @@ class PoolConfig(_Frozen):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     # Custom Ray resources, e.g. {"baton_prefill": 0.01} to pin replicas to prefill nodes.
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: CustomResources = Field(default_factory=dict)
     kv_cache_bytes: int = Field(512 * 2**20, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
@@ -105,7 +129,7 @@ class RouterConfig(_Frozen):
     # Tokenizing and relaying is light next to an engine; half a CPU lets a small box fit
     # a router beside one prefill and one decode replica.
     num_cpus: float = Field(0.5, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: CustomResources = Field(default_factory=dict)
     max_ongoing_requests: int = Field(256, ge=1)
 
 

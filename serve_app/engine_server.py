@@ -200,7 +200,7 @@ class EngineServer:
             # Keeps this replica's entries in the registry while its cache is quiet.
             self._last_heartbeat = time.monotonic()
             self._publish([], [])
-        if self.gpus.available:  # a machine without GPUs will not grow one
+        if self.gpus.available or self.gpus.transient:  # no driver or GPU stays so
             self.gpus = read_gpus()
             self.metrics.gpus(self.gpus)
         self.metrics.engine(s)

@@ -41,7 +41,7 @@ def prompt_from_proto(request: pb.GenerateRequest | pb.TokenizeRequest) -> Promp
     if which == "chat":
         return PromptInput(messages=tuple((m.role, m.content) for m in request.chat.messages))
     if which == "token_ids":
-        return PromptInput(token_ids=tuple(request.token_ids.ids))
+        return PromptInput(token_ids=request.token_ids.ids)
     choices = ", ".join(f.name for f in oneof.fields)
     raise InvalidRequestError(f"{oneof.name}: set one of {choices}")
 

@@ -113,8 +113,22 @@ class ReplicaMetrics:
             "baton_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use.", keys
         )
         self.hit_rate = Gauge(
-            "baton_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache.", keys
+            "baton_prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache, of all looked up since the replica started.",
+            keys,
         )
+        # The rate over a window, and across replicas, is these counters' rates' ratio.
+        self.prefix_queries = Counter(
+            "baton_prefix_cache_queries_tokens_total",
+            "Prompt tokens looked up in the prefix cache.",
+            keys,
+        )
+        self.prefix_hits = Counter(
+            "baton_prefix_cache_hits_tokens_total",
+            "Prompt tokens found in the prefix cache.",
+            keys,
+        )
+        self._counted = (0, 0)  # prefix cache (queries, hits) already added to the counters
         self.draft_acceptance = Gauge(
             "baton_speculative_acceptance_ratio",
             "Drafted tokens the model agreed with, of those checked (speculative decoding).",
@@ -155,6 +169,12 @@ class ReplicaMetrics:
         used = stats.num_total_blocks - stats.num_free_blocks
         self.kv_usage.set(used / max(stats.num_total_blocks, 1), self._tags)
         self.hit_rate.set(stats.prefix_cache_hit_rate, self._tags)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        if queries > self._counted[0]:  # Ray's Counter refuses inc(0)
+            self.prefix_queries.inc(queries - self._counted[0], self._tags)
+        if hits > self._counted[1]:
+            self.prefix_hits.inc(hits - self._counted[1], self._tags)
+        self._counted = (queries, hits)
         if stats.num_draft_tokens:  # a replica that never speculated exports no ratio
             ratio = stats.num_accepted_draft_tokens / stats.num_draft_tokens
             self.draft_acceptance.set(ratio, self._tags)
@@ -175,4 +195,5 @@ class ReplicaMetrics:
             tags = {**self._tags, "device": str(d.index)}
             self.gpu_memory_used.set(d.memory_used_bytes, tags)
             self.gpu_memory_total.set(d.memory_total_bytes, tags)
-            self.gpu_utilization.set(d.utilization, tags)
+            if d.utilization is not None:
+                self.gpu_utilization.set(d.utilization, tags)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from serve_app.openai_unsupported import check_unsupported
 from serve_app.prompts import MAX_MESSAGES, PromptInput
+from serve_app.serve_config import MAX_REQUEST_BYTES
 from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
@@ -31,8 +32,8 @@ from workers.engine.sampling_params import (
     default_budget_room,
 )
 
-# An HTTP body over this is refused before it is parsed (gRPC's own limit is 4 MiB).
-MAX_BODY_BYTES = 16 * 2**20
+# An HTTP body over this is refused before it is parsed (gRPC has the same limit).
+MAX_BODY_BYTES = MAX_REQUEST_BYTES
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Choices per request: each is an engine request of its own.
 MAX_CHOICES = 16

@@ -25,6 +25,9 @@ HTTP_STATUS = {
     "unauthenticated": 401,
     "overloaded": 503,
     "unavailable": 503,
+    # Not by the client, which is gone then, but by the service (a replica stopping):
+    # worth a retry, as an unavailable replica is.
+    "cancelled": 503,
     "internal": 500,
 }
 HTTP_ERROR_TYPE = {
@@ -32,7 +35,8 @@ HTTP_ERROR_TYPE = {
     "unauthenticated": "invalid_request_error",  # OpenAI's type for a bad key (code 401)
     "overloaded": "overloaded_error",
     "unavailable": "service_unavailable_error",
-    "internal": "internal_error",
+    "cancelled": "service_unavailable_error",
+    "internal": "server_error",  # OpenAI's
 }
 
 

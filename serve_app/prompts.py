@@ -9,6 +9,7 @@ token ids become text again in `text_stream`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import jinja2
 from serve_app.protocol import EngineRequest
 from serve_app.text_stream import TextStream, engine_params
 from workers.engine.block_hash import hash_full_blocks, root_hash
-from workers.engine.errors import InvalidRequestError
+from workers.engine.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from workers.engine.sampling_params import (
     SamplingParams,
     check_prompt_fits,
@@ -40,7 +41,8 @@ class PromptInput:
 
     text: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
-    token_ids: tuple[int, ...] | None = None
+    # Any sequence: a gRPC request's repeated field is copied only once its size is checked.
+    token_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.text, self.messages, self.token_ids)]
@@ -75,8 +77,30 @@ class ModelFrontend:
         self.eos_token_ids = sorted(
             eos_token_ids(model_dir, self.model_config.eos_token_ids, self.tokenizer)
         )
+        # No token stands for more characters than its vocabulary entry has (a byte-level
+        # BPE entry spells one character per byte), so a prompt of more characters than
+        # the context's worth of the longest entry cannot fit, however it tokenizes.
+        longest = max(len(token) for token in self.tokenizer.hf.get_vocab(with_added_tokens=True))
+        self.max_prompt_chars = max_model_len * longest
+
+    def check_size(self, prompt: PromptInput) -> None:
+        """Refuses a prompt that cannot fit the context before any work is spent on it
+        (tokenizing megabytes of text holds a core for seconds)."""
+        if prompt.token_ids is not None:
+            check_prompt_fits(len(prompt.token_ids), self.max_model_len)
+            return
+        if prompt.num_chars() > self.max_prompt_chars:
+            field = "messages" if prompt.messages is not None else "prompt"
+            raise InvalidRequestError(
+                f"{field}: {prompt.num_chars()} characters cannot fit this model's context of "
+                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} could); "
+                "shorten the prompt",
+                param=field,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
 
     def tokenize(self, prompt: PromptInput) -> list[int]:
+        """The prompt's token ids (check_size first, for a prompt that may be huge)."""
         if prompt.token_ids is not None:
             return list(prompt.token_ids)  # checked with the rest in build_request
         if prompt.messages is not None:

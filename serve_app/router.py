@@ -65,7 +65,15 @@ logger = logging.getLogger(__name__)
 INLINE_TOKENIZE_CHARS = 16_384
 # How long a request waits for the prefix registry's routing hints before going without.
 REGISTRY_WAIT_S = 0.25
-http_app = FastAPI(title="Baton", description="OpenAI-compatible API of a Baton service")
+# No generated docs: every path but /health needs the API key where one is set, and
+# the API is OpenAI's, documented there.
+http_app = FastAPI(
+    title="Baton",
+    description="OpenAI-compatible API of a Baton service",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+)
 
 # An unknown path or method answers in OpenAI's error shape, as every other error.
 http_app.add_exception_handler(StarletteHTTPException, openai_http_error)
@@ -189,6 +197,7 @@ class Router(HealthService):
             self.metrics.generated(api, last.num_output_tokens if last else 0)
 
     async def _tokenize(self, prompt: PromptInput) -> list[int]:
+        self.frontend.check_size(prompt)
         if prompt.num_chars() > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(self.frontend.tokenize, prompt)
         return self.frontend.tokenize(prompt)
@@ -257,10 +266,10 @@ class Router(HealthService):
     ) -> pb.ModelInfo:
         try:
             self._authorize(_grpc_authorization(grpc_context))
+            counts = await asyncio.to_thread(_replica_counts)  # asks Serve's controller
         except Exception as e:
             set_status(grpc_context, e)
             return pb.ModelInfo()
-        counts = await asyncio.to_thread(_replica_counts)
         return model_info(self.config, self.served_model_name, self.frontend, self.dtypes, counts)
 
     # -- OpenAI-compatible HTTP -----------------------------------------------------------
@@ -297,7 +306,8 @@ class Router(HealthService):
         }
 
     def _model_not_found(self, model: str) -> JSONResponse:
-        message = f"model {model!r} is not served here; use {self.served_model_name!r}"
+        shown = model if len(model) <= 200 else model[:200] + "..."  # the client's, echoed
+        message = f"model {shown!r} is not served here; use {self.served_model_name!r}"
         return JSONResponse(
             error_body(message, "invalid_request_error", "model", "model_not_found"), 404
         )

@@ -33,7 +33,13 @@ def app_config_from_args(args: argparse.Namespace) -> AppConfig:
         }
         overrides = {k: v for k, v in flags.items() if v is not None}
         if overrides:  # a pool key left empty in the file (`decode:`) loads as None
-            fields[pool] = {**(fields.get(pool) or {}), **overrides}
+            current = fields.get(pool) or {}
+            if not isinstance(current, dict):
+                raise ValueError(
+                    f"--config {args.config}: {pool} must be a mapping of PoolConfig fields "
+                    f"(e.g. `{pool}: {{num_replicas: 2}}`), got {current!r}"
+                )
+            fields[pool] = {**current, **overrides}
     try:
         config = AppConfig.model_validate(fields)
     except ValidationError as e:

@@ -21,6 +21,10 @@ IMPORT_PATH = "serve_app.app:build_app"
 APP_NAME = "baton"
 HTTP_PORT = 8000
 GRPC_PORT = 9000
+# The largest request either API takes (an HTTP body, a gRPC message; gRPC's limit is the
+# response's too): far above any prompt a context holds, far below what would stall a
+# router to decode (Serve's own gRPC limit is 2 GiB).
+MAX_REQUEST_BYTES = 16 * 2**20
 DEPLOYMENT_NAMES = {
     "aggregated": "EngineServer",
     "prefill": "PrefillServer",

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,13 @@ import ray
 from ray import serve
 
 from serve_app.config import AppConfig
-from serve_app.serve_config import APP_NAME, GRPC_PORT, GRPC_SERVICER_FUNCTIONS, HTTP_PORT
+from serve_app.serve_config import (
+    APP_NAME,
+    GRPC_PORT,
+    GRPC_SERVICER_FUNCTIONS,
+    HTTP_PORT,
+    MAX_REQUEST_BYTES,
+)
 from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
 
 log = logging.getLogger("baton")
@@ -65,22 +72,30 @@ def connect(address: str | None = None, start_if_missing: bool = False) -> None:
     # Logical CPUs, not cores: a one-machine service's router, pools and TP ranks must
     # all be placeable even on a small box (they share its cores either way).
     num_cpus = max(os.cpu_count() or 1, LOCAL_HEAD_MIN_CPUS)
-    subprocess.run(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            f"--num-cpus={num_cpus}",
-            f'--resources={{"{LOCAL_HEAD_RESOURCE}": 1}}',
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-        ],
-        check=True,
-        env={**LOCAL_HEAD_ENV, **os.environ},
-        # The daemons it leaves behind inherit these: a pipe would never reach EOF.
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    # To a file, not a pipe: the daemons it leaves behind inherit it, and a pipe would
+    # never reach EOF. Kept to say why, if it fails.
+    output = Path(tempfile.gettempdir()) / "baton-ray-start.log"
+    with open(output, "w") as out:
+        started = subprocess.run(
+            [
+                ray_bin,
+                "start",
+                "--head",
+                f"--num-cpus={num_cpus}",
+                f'--resources={{"{LOCAL_HEAD_RESOURCE}": 1}}',
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+            ],
+            env={**LOCAL_HEAD_ENV, **os.environ},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    if started.returncode != 0:
+        lines = [ln for ln in output.read_text(errors="replace").splitlines() if ln.strip()]
+        raise RuntimeError(
+            f"`ray start --head` failed (exit status {started.returncode}): "
+            f"{' | '.join(lines[-3:]) or 'no output'} (all of it in {output})"
+        )
     ray.init(address="auto", **kwargs)
 
 
@@ -90,7 +105,13 @@ def connect(address: str | None = None, start_if_missing: bool = False) -> None:
 # ingress), so no Python proxy handles each streamed message; RAY_SERVE_PROXY_USE_GRPC:
 # where a Python proxy still serves (Serve's fallback), it reaches the routers over
 # Serve's inter-deployment gRPC. ARCHITECTURE.md, "Serving overhead", has the figures.
-SERVE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_PROXY_USE_GRPC": "1"}
+# RAY_SERVE_GRPC_MAX_MESSAGE_SIZE: the client-facing gRPC servers' message limit, the
+# HTTP body's (Serve's 2 GiB default would let one request stall a router for seconds).
+SERVE_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(MAX_REQUEST_BYTES),
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+}
 
 
 def deploy(
@@ -102,13 +123,16 @@ def deploy(
     http_host: str = "0.0.0.0",
     route_prefix: str = "/",
     timeout_s: float = DEPLOY_TIMEOUT_S,
+    code_version: str | None = None,
 ) -> None:
     """Deploys (or updates in place) the application; returns once it is running.
     TimeoutError (with Serve's view of each deployment) if it is not within `timeout_s`;
-    Serve goes on trying, so the operator can wait longer or deploy a smaller config."""
-    from serve_app.app import build_app
+    Serve goes on trying, so the operator can wait longer or deploy a smaller config.
+    `code_version`: see `build_app` (by default this code's)."""
+    from serve_app.app import build_versioned_app, source_digest
 
-    app = build_app(config)  # validates before anything starts
+    code_version = code_version or source_digest()
+    app = build_versioned_app(config, code_version)  # validates before anything starts
     serve.start(
         http_options={"host": http_host, "port": http_port},
         grpc_options={
@@ -120,11 +144,17 @@ def deploy(
         controller_options={"runtime_env": {"env_vars": dict(SERVE_ENV)}},
     )
     # Stored first: Serve goes on deploying after a timeout here, and `baton scale` must
-    # still find the config then.
-    board = get_or_create_board(config.status_board_name)
-    deployed = {"config": config.model_dump(mode="json"), "route_prefix": route_prefix}
-    ray.get(board.set_config.remote(app_name, deployed))
-    _run_within(app, app_name, route_prefix, timeout_s)
+    # still find the config then. A deploy Serve refuses or fails leaves the last one.
+    board = get_or_create_board(DEFAULT_BOARD_NAME)
+    record = Deployed(config, route_prefix, code_version).to_record()
+    previous = ray.get(board.set_config.remote(app_name, record))
+    try:
+        _run_within(app, app_name, route_prefix, timeout_s)
+    except TimeoutError:
+        raise
+    except Exception:
+        ray.get(board.set_config.remote(app_name, previous))
+        raise
 
 
 def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) -> None:
@@ -164,25 +194,53 @@ def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) ->
     )
 
 
-def deployed(
-    app_name: str = APP_NAME, board_name: str = DEFAULT_BOARD_NAME
-) -> tuple[AppConfig, str]:
-    """The config and route prefix `baton serve` deployed the application with."""
-    stored = ray.get(get_or_create_board(board_name).config.remote(app_name))
-    if stored is None:
+@dataclass(frozen=True)
+class Deployed:
+    """What `baton serve` deployed an application with, kept for `baton scale`."""
+
+    config: AppConfig
+    route_prefix: str
+    code_version: str
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "config": self.config.model_dump(mode="json"),
+            "route_prefix": self.route_prefix,
+            "code_version": self.code_version,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Deployed:
+        config = AppConfig.model_validate(record["config"])
+        # A record an earlier Baton kept has no code version: the current code's is used.
+        return cls(config, record["route_prefix"], record.get("code_version", ""))
+
+
+def deployed(app_name: str = APP_NAME) -> Deployed | None:
+    """How `baton serve` deployed the application, or None (not by `baton serve`)."""
+    record = ray.get(get_or_create_board(DEFAULT_BOARD_NAME).config.remote(app_name))
+    return None if record is None else Deployed.from_record(record)
+
+
+def scale(pool: str, num_replicas: int, app_name: str = APP_NAME, fixed: bool = False) -> AppConfig:
+    """Sets one pool's replica count and redeploys (`rescaled` says what may change),
+    with the code version it was deployed with: only that pool's replicas change."""
+    if app_name not in serve.status().applications:
+        raise ValueError(f"no application {app_name!r} is deployed; start it with `baton serve`")
+    current = deployed(app_name)
+    if current is None:
         raise ValueError(
             f"application {app_name!r} was not deployed by `baton serve`; scale it through "
             "its Serve config instead (e.g. `helm upgrade --set prefill.replicas=N`)"
         )
-    return AppConfig.model_validate(stored["config"]), stored["route_prefix"]
-
-
-def scale(pool: str, num_replicas: int, app_name: str = APP_NAME, fixed: bool = False) -> AppConfig:
-    """Sets one pool's replica count and redeploys (`rescaled` says what may change)."""
-    config, route_prefix = deployed(app_name)
-    config = rescaled(config, pool, num_replicas, fixed)
+    config = rescaled(current.config, pool, num_replicas, fixed)
     # Serve is running: serve.start() inside keeps its ports whatever deploy() passes.
-    deploy(config, app_name=app_name, route_prefix=route_prefix)
+    deploy(
+        config,
+        app_name=app_name,
+        route_prefix=current.route_prefix,
+        code_version=current.code_version,
+    )
     return config
 
 
@@ -208,12 +266,16 @@ def rescaled(config: AppConfig, pool: str, num_replicas: int, fixed: bool = Fals
     return config.model_copy(update={pool: current.model_copy(update=update)})
 
 
-def status(app_name: str = APP_NAME, board_name: str = DEFAULT_BOARD_NAME) -> dict[str, Any]:
-    """The application's deployments (Serve's view) and its replicas' last posted stats (the
-    board is shared by every application on the cluster)."""
+def status(app_name: str = APP_NAME, board_name: str | None = None) -> dict[str, Any]:
+    """The application's deployments (Serve's view) and its replicas' last posted stats,
+    from `board_name`, else the board its `baton serve` config names, else the default
+    one (a board is shared by the applications that name it)."""
     app = serve.status().applications.get(app_name)
     if app is None:
         raise ValueError(f"no application {app_name!r} is deployed; run `baton serve`")
+    if board_name is None:
+        current = deployed(app_name)
+        board_name = DEFAULT_BOARD_NAME if current is None else current.config.status_board_name
     snapshots = [
         s
         for s in ray.get(get_or_create_board(board_name).snapshots.remote())
@@ -222,10 +284,13 @@ def status(app_name: str = APP_NAME, board_name: str = DEFAULT_BOARD_NAME) -> di
     return {
         "application": app_name,
         "status": str(app.status.value if hasattr(app.status, "value") else app.status),
+        # Why it is not running (an unplaceable replica, a constructor's error), if so.
+        "message": app.message,
         "deployments": {
             name: {
                 "status": str(d.status.value if hasattr(d.status, "value") else d.status),
                 "replicas": dict(d.replica_states),
+                "message": d.message,
             }
             for name, d in app.deployments.items()
         },
@@ -255,6 +320,9 @@ def stop(app_name: str = APP_NAME) -> Stopped:
     apps = set(serve.status().applications)  # empty when Serve is not running
     if app_name in apps:
         serve.delete(app_name)
+    # Forgotten even where Serve had no such app (deleted by other means): a later
+    # `baton scale` must not bring back what was stopped.
+    ray.get(get_or_create_board(DEFAULT_BOARD_NAME).set_config.remote(app_name, None))
     others = apps - {app_name}
     if apps and not others:
         serve.shutdown()

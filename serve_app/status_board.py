@@ -3,7 +3,8 @@
 Serve has no public call that reaches every replica of a deployment, so each replica
 posts a snapshot here each time Serve collects its routing stats (about once a second);
 `baton status` reads them all at once. Snapshots older than `max_age_s` belong to
-replicas that are gone and are left out. `baton scale` starts from the config kept here.
+replicas that are gone and are left out. `baton scale` starts from the config kept here
+(on the board of the default name, whichever board the replicas post to).
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ class StatusBoard:
         self._posts: dict[str, tuple[float, dict[str, Any]]] = {}
         self._configs: dict[str, dict[str, Any]] = {}
 
-    def set_config(self, app_name: str, config: dict[str, Any]) -> None:
-        self._configs[app_name] = config
+    def set_config(self, app_name: str, config: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Keeps (or with None forgets) an application's config; returns the one it had."""
+        previous = self._configs.pop(app_name, None)
+        if config is not None:
+            self._configs[app_name] = config
+        return previous
 
     def config(self, app_name: str) -> dict[str, Any] | None:
         return self._configs.get(app_name)

@@ -18,17 +18,23 @@ def _local_prefills(handoff: dict) -> str:
 def status_lines(report: dict) -> list[str]:
     """`baton status`'s text for a `service_ops.status()` report."""
     lines = [f"application {report['application']}: {report['status']}"]
+    if report.get("message"):
+        lines.append(f"  {report['message']}")
     for name, d in report["deployments"].items():
         lines.append(f"  {name:<14} {d['status']:<10} replicas {d['replicas']}")
+        if d.get("message"):
+            lines.append(f"    {d['message']}")
     for r in report["replicas"]:
         e = r["engine"]
         used = e["num_total_blocks"] - e["num_free_blocks"]
+        # Handed-over requests waiting for blocks wait too (as baton_waiting_requests).
+        waiting = e["num_waiting"] + e.get("imports_waiting", 0)
         lines.append(
             # .get: a replica of an older release, mid rolling upgrade, posts neither.
             f"  {r['role']:<10} {r['replica_id']:<10} {r.get('dtype', '?')} "
             f"tp{r.get('tensor_parallel_size', '?')}  "
             f"running {e['num_running']:>3} "
-            f"waiting {e['num_waiting']:>3}  KV {used}/{e['num_total_blocks']} blocks  "
+            f"waiting {waiting:>3}  KV {used}/{e['num_total_blocks']} blocks  "
             f"prefix hit rate {e['prefix_cache_hit_rate']:.2f}  "
             f"handoffs {r['handoff']['num_handoffs']}"
             f"{_local_prefills(r['handoff'])}"
@@ -37,8 +43,9 @@ def status_lines(report: dict) -> list[str]:
         if not gpus.get("available"):
             lines.append(f"    GPUs: none ({gpus.get('reason', 'not reported')})")
         for d in gpus.get("devices", []):
+            busy = "n/a" if d["utilization"] is None else f"{d['utilization']:.0%}"
             lines.append(
                 f"    GPU {d['index']} {d['name']}: memory {d['memory_used_bytes'] / 2**30:.1f}"
-                f"/{d['memory_total_bytes'] / 2**30:.1f} GiB, utilization {d['utilization']:.0%}"
+                f"/{d['memory_total_bytes'] / 2**30:.1f} GiB, utilization {busy}"
             )
     return lines

@@ -8,9 +8,15 @@ from ray.serve._private.deploy_utils import get_app_code_version
 from ray.serve.schema import ServeDeploySchema
 from tiny_model import make_tiny_model
 
-from serve_app.app import build_app, validate
+from serve_app.app import build_app, build_versioned_app, source_digest, validate
 from serve_app.config import TRANSPORTS, AppConfig, AutoscalingConfig, PoolConfig, RouterConfig
-from serve_app.serve_config import DEPLOYMENT_NAMES, GRPC_PORT, IMPORT_PATH, serve_config
+from serve_app.serve_config import (
+    DEPLOYMENT_NAMES,
+    GRPC_PORT,
+    IMPORT_PATH,
+    ROUTER_NAME,
+    serve_config,
+)
 from workers.engine.kv_transport import TRANSPORTS as ENGINE_TRANSPORTS
 
 
@@ -79,6 +85,12 @@ def test_unknown_or_out_of_range_fields_are_refused():
         AppConfig.model_validate({"local_prefill_tokens": -1})
     with pytest.raises(ValueError, match="max_pending_prefills"):
         AppConfig.model_validate({"max_pending_prefills": 0})
+    # Custom resources: non-negative, and never Ray's own (num_cpus / num_gpus say those).
+    with pytest.raises(ValueError, match=r"prefill.resources\n.*'baton_x' must be >= 0"):
+        AppConfig.model_validate({"prefill": {"resources": {"baton_x": -1}}})
+    with pytest.raises(ValueError, match="router.resources\n.*'GPU' is Ray's own resource"):
+        AppConfig.model_validate({"router": {"resources": {"GPU": 1}}})
+    assert AppConfig(decode=PoolConfig(resources={"baton_decode": 0.01})).decode.resources
 
 
 def test_the_config_offers_exactly_the_engines_transports(model_dir):
@@ -209,6 +221,24 @@ def test_rescaling_leaves_every_deployment_version_unchanged(model_dir):
 
     assert versions(base) == versions(scaled) and all(versions(base).values())
     assert versions(base.model_copy(update={"block_size": 32})) != versions(base)
+    # `baton scale` builds with the code version `baton serve` deployed, whatever the
+    # code is now; a new version is a new version of every deployment.
+    assert versions(base) == {
+        d.name: d.version for d in _deployments(build_versioned_app(base, source_digest()))
+    }
+    edited = {d.name: d.version for d in _deployments(build_versioned_app(base, "edited"))}
+    assert edited.keys() == versions(base).keys()
+    assert not set(edited.values()) & set(versions(base).values())
+
+
+def test_serve_can_call_build_app_as_a_config_files_builder(model_dir):
+    # What Serve runs for `import_path: serve_app.app:build_app` with `args`: it takes
+    # a builder of exactly one parameter.
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    app = call_user_app_builder_with_args_if_necessary(build_app, {"model": str(model_dir)})
+    names = {d.name for d in _deployments(app)}
+    assert names == {ROUTER_NAME, DEPLOYMENT_NAMES["prefill"], DEPLOYMENT_NAMES["decode"]}
 
 
 def test_the_serve_config_is_one_valid_application_of_build_app():

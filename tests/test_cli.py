@@ -145,6 +145,28 @@ def test_a_failure_of_the_service_is_one_line_and_exit_1(failure, monkeypatch, c
     assert capsys.readouterr().err == f"baton: error: {failure}\n"
 
 
+def test_what_ray_refuses_is_one_line_and_exit_1_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    from ray.serve.exceptions import RayServeException
+
+    def fail(error: BaseException):
+        def command(args):
+            raise error
+
+        monkeypatch.setitem(cli._COMMANDS, "status", command)
+
+    fail(RayServeException("Prefix / is being used by application 'baton'"))
+    assert main(["status"]) == 1
+    assert capsys.readouterr().err == (
+        "baton: error: RayServeException: Prefix / is being used by application 'baton'\n"
+    )
+    fail(KeyboardInterrupt())
+    assert main(["status"]) == 130
+    assert capsys.readouterr().err == ""
+    fail(KeyError("a bug"))
+    with pytest.raises(KeyError):
+        main(["status"])
+
+
 @pytest.mark.parametrize(
     ("file_text", "flags", "message"),
     [
@@ -152,6 +174,7 @@ def test_a_failure_of_the_service_is_one_line_and_exit_1(failure, monkeypatch, c
         ("prefill: [1,\n", [], "not valid YAML at line 2"),
         ("- a list\n", [], "must be a mapping of AppConfig fields"),
         ("bogus: 1\n", [], "invalid configuration: bogus: Extra inputs are not permitted"),
+        ("prefill: 2\n", ["--dtype", "float32"], "prefill must be a mapping of PoolConfig"),
         ("", ["--mode", "aggregated", "--prefill-replicas", "2"], "--prefill-replicas does not"),
         ("", ["--decode-tp", "5"], "decode.tensor_parallel_size=5 does not divide"),
     ],

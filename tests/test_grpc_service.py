@@ -86,7 +86,7 @@ def test_each_prompt_kind_converts_and_a_missing_prompt_is_refused():
     )
     assert prompt_from_proto(req).messages == (("user", "hi"),)
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]))
-    assert prompt_from_proto(req).token_ids == (1, 2)
+    assert list(prompt_from_proto(req).token_ids) == [1, 2]
     with pytest.raises(ValueError, match="^prompt: set one of text, chat, token_ids$"):
         prompt_from_proto(pb.GenerateRequest())
     # Named after the request's own oneof.

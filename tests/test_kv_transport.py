@@ -99,6 +99,8 @@ def test_transports_are_checked():
     check_transport("object_store")
     with pytest.raises(ValueError, match="kv_transport must be one of"):
         check_transport("gloo")
+    with pytest.raises(ValueError, match="^transport must be one of"):  # AppConfig's name
+        check_transport("gloo", "transport")
     with pytest.raises(ValueError, match="kv_transport"):
         EngineConfig(model="m", kv_transport="tcp")
 

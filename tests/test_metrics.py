@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import fields, replace
 
 import pytest
 
-from serve_app.metrics import RouterMetrics
+from serve_app.metrics import ReplicaMetrics, RouterMetrics
 from serve_app.stream_merge import merge_streams
 from workers.engine.errors import EngineOverloadedError
-from workers.engine.outputs import RequestOutput
+from workers.engine.outputs import EngineStats, RequestOutput
 from workers.engine.sequence import FinishReason
 
 
@@ -95,3 +96,16 @@ def test_time_to_first_token_is_the_first_token_of_any_choice():
 
     # Counted when the fast choice's token reached the client, once.
     assert asyncio.run(consume()) == [1, 1]
+
+
+def test_a_replicas_prefix_cache_counters_grow_by_what_each_report_adds():
+    metrics = ReplicaMetrics("app", "decode", "r1")
+    added: dict[str, list[int]] = {"queries": [], "hits": []}
+    metrics.prefix_queries.inc = lambda n, tags: added["queries"].append(n)
+    metrics.prefix_hits.inc = lambda n, tags: added["hits"].append(n)
+    counts = [(0, 0), (32, 16), (32, 16), (48, 16)]
+    for queries, hits in counts:
+        stats = EngineStats(**{f.name: 0 for f in fields(EngineStats)})
+        stats = replace(stats, prefix_cache_queries=queries, prefix_cache_hits=hits)
+        metrics.engine(stats)
+    assert added == {"queries": [32, 16], "hits": [16]}

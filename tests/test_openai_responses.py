@@ -187,3 +187,13 @@ def test_a_missing_key_is_a_401_that_asks_for_a_bearer_token():
     error = json.loads(response.body)["error"]
     assert (error["message"], error["code"]) == ("missing API key", "invalid_api_key")
     assert "WWW-Authenticate" not in http_error(InvalidRequestError("x")).headers
+
+
+def test_a_cancellation_by_the_service_is_a_503_and_a_bug_is_openais_server_error():
+    cancelled = http_error(asyncio.CancelledError())
+    assert cancelled.status_code == 503
+    assert json.loads(cancelled.body)["error"]["type"] == "service_unavailable_error"
+    bug = http_error(KeyError("x"))
+    assert bug.status_code == 500
+    error = json.loads(bug.body)["error"]
+    assert error["type"] == "server_error" and "KeyError" in error["message"]

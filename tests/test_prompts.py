@@ -107,6 +107,27 @@ def test_a_prompts_length_counts_every_message():
     assert PromptInput(token_ids=(1, 2)).num_chars() == 0
 
 
+def test_a_prompt_that_cannot_fit_the_context_is_refused_before_tokenizing(frontend):
+    longest = max(len(t) for t in frontend.tokenizer.hf.get_vocab(with_added_tokens=True))
+    assert frontend.max_prompt_chars == 256 * longest
+    # The bound is sound: even a text of nothing but the longest entry fits its count.
+    token = max(frontend.tokenizer.hf.get_vocab(), key=len)
+    assert len(frontend.tokenize(PromptInput(text=token * 8))) <= 8 * len(token)
+    frontend.check_size(PromptInput(text="x" * frontend.max_prompt_chars))
+    too_long = {
+        "prompt": PromptInput(text="x" * (frontend.max_prompt_chars + 1)),
+        "messages": PromptInput(messages=(("user", "x" * frontend.max_prompt_chars),)),
+    }
+    for field, prompt in too_long.items():
+        with pytest.raises(InvalidRequestError, match="cannot fit this model's context") as err:
+            frontend.check_size(prompt)
+        assert err.value.param == field and err.value.code == "context_length_exceeded"
+    frontend.check_size(PromptInput(token_ids=range(255)))
+    with pytest.raises(InvalidRequestError, match="the prompt is 256 tokens") as err:
+        frontend.check_size(PromptInput(token_ids=range(256)))
+    assert err.value.param == "prompt"
+
+
 def test_a_chat_prompt_is_bounded_in_messages():
     PromptInput(messages=(("user", ""),) * 2048)
     with pytest.raises(InvalidRequestError, match="at most 2048 messages, got 2049") as err:

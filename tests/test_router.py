@@ -20,3 +20,9 @@ def test_an_unknown_path_or_method_answers_in_openais_error_shape():
     wrong = client.get("/v1/chat/completions")
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["message"] == "Method Not Allowed: GET /v1/chat/completions"
+
+
+def test_no_generated_docs_are_served_past_the_api_key():
+    client = TestClient(http_app)
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert client.get(path).status_code == 404, path

@@ -3,6 +3,7 @@ the service they deploy)."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 from service_helpers import KV, wait_for
 
+from serve_app import app as app_module
 from serve_app import node_drain, service_ops
 from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, AutoscalingConfig, PoolConfig
@@ -99,12 +101,30 @@ def test_a_serve_config_that_rescales_one_pool_keeps_its_running_replicas(
 
 @pytest.mark.slow  # a real Ray and Serve
 def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
-    ray_cluster, smollm2_dir, serve_ports
+    ray_cluster, smollm2_dir, serve_ports, monkeypatch
 ):
+    board_name = "baton-status-ops"  # not the default: scale and status must still find it
     config = AppConfig(
-        model=str(smollm2_dir), mode="aggregated", aggregated=PoolConfig(kv_cache_bytes=KV)
+        model=str(smollm2_dir),
+        mode="aggregated",
+        aggregated=PoolConfig(kv_cache_bytes=KV),
+        status_board_name=board_name,
     )
     service_ops.deploy(config, **serve_ports)
+    board = get_or_create_board(board_name)
+    (first,) = wait_for(lambda: _running_replicas(board, APP_NAME), "the first replica")
+    # Baton's code edited since `baton serve` (an editable install): scaling one pool
+    # must still keep every running replica, not roll them all to a new version.
+    monkeypatch.setattr(app_module, "source_digest", lambda: "edited since")
+    service_ops.scale("aggregated", 2)
+
+    def two_running() -> set[str] | None:
+        running = _running_replicas(board, APP_NAME)
+        return running if len(running) == 2 else None
+
+    running = wait_for(two_running, "2 running replicas")
+    assert first in running
+    assert {r["replica_id"] for r in service_ops.status()["replicas"]} == running
     service_ops.deploy(config, app_name="neighbour", route_prefix="/neighbour", **serve_ports)
     # The proxy Serve started runs with SERVE_ENV (it reaches the routers over gRPC).
     raylet = node_drain.raylets()[ray.get_runtime_context().get_node_id()]
@@ -125,6 +145,10 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     )
     assert not stopped.serve_shut_down
     assert set(serve.status().applications) == {"neighbour"}
+    # What was stopped stays stopped: scale refuses rather than deploying it again.
+    assert service_ops.deployed() is None
+    with pytest.raises(ValueError, match="no application 'baton' is deployed"):
+        service_ops.scale("aggregated", 1)
     stopped = service_ops.stop("neighbour")
     assert stopped == service_ops.Stopped(app_deleted=True, apps_left=(), local_head=False)
     assert stopped.serve_shut_down
@@ -151,13 +175,37 @@ def test_the_local_head_drains_routers_briefly_unless_told_otherwise(monkeypatch
             raise ConnectionError("no cluster")
 
     monkeypatch.setattr(service_ops.ray, "init", init)
-    monkeypatch.setattr(
-        service_ops.subprocess, "run", lambda argv, **kwargs: starts.append((argv, kwargs))
-    )
+
+    def run(argv, **kwargs):
+        starts.append((argv, kwargs))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(service_ops.subprocess, "run", run)
     service_ops.connect(start_if_missing=True)
     ((argv, kwargs),) = starts
     assert argv[1:3] == ["start", "--head"] and joins == ["auto", "auto"]
     assert kwargs["env"][name] == (own or service_ops.LOCAL_HEAD_ENV[name])
+
+
+def test_a_local_head_that_fails_to_start_says_why(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def init(address, **kwargs):
+        raise ConnectionError("no cluster")
+
+    def run(argv, stdout, **kwargs):
+        stdout.write("Usage stats collection is disabled.\n\n")
+        stdout.write("ConnectionError: port 6379 is already in use\n")
+        return subprocess.CompletedProcess(argv, 1)
+
+    monkeypatch.setattr(service_ops.ray, "init", init)
+    monkeypatch.setattr(service_ops.subprocess, "run", run)
+    with pytest.raises(RuntimeError) as err:
+        service_ops.connect(start_if_missing=True)
+    assert str(err.value).startswith(
+        "`ray start --head` failed (exit status 1): Usage stats collection is disabled. | "
+        "ConnectionError: port 6379 is already in use (all of it in "
+    )
 
 
 def test_rescaling_an_autoscaled_pool_needs_fixed_which_turns_its_autoscaling_off():

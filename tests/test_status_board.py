@@ -33,6 +33,10 @@ def test_a_removed_replica_is_gone_at_once_and_configs_are_kept_per_app():
     board.remove("never-posted")
     assert board.snapshots() == []
     assert board.config("baton") is None
-    board.set_config("baton", {"mode": "aggregated"})
+    assert board.set_config("baton", {"mode": "aggregated"}) is None
     board.set_config("other", {"mode": "disaggregated"})
     assert board.config("baton") == {"mode": "aggregated"}
+    # Replacing or forgetting (a stopped app) hands back what was kept, to restore.
+    assert board.set_config("baton", {"mode": "x"}) == {"mode": "aggregated"}
+    assert board.set_config("baton", None) == {"mode": "x"}
+    assert board.config("baton") is None and board.config("other") is not None

@@ -71,3 +71,21 @@ def test_a_replica_of_an_older_release_and_one_without_gpus_are_shown_as_far_as_
     assert lines[3].strip() == "GPUs: none (not reported)"
     assert lines[4].split()[:4] == ["prefill", "cpu", "float32", "tp1"]
     assert lines[5].strip() == "GPUs: none (no NVIDIA GPU here)"
+
+
+def test_why_an_application_or_deployment_is_not_running_is_shown_and_imports_wait():
+    report = _report(
+        {
+            "role": "decode",
+            "replica_id": "d",
+            "engine": {**_engine(free=64), "imports_waiting": 2},
+            "handoff": {"num_handoffs": 0},
+        }
+    )
+    report["status"] = "DEPLOYING"
+    report["message"] = "Deploying app 'baton' failed"
+    report["deployments"]["DecodeServer"]["message"] = "1 replica could not be placed"
+    lines = status_lines(report)
+    assert lines[1].strip() == "Deploying app 'baton' failed"
+    assert lines[3].strip() == "1 replica could not be placed"
+    assert "waiting   3" in lines[4]  # one queued request and two imports waiting for blocks

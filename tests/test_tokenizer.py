@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
@@ -58,4 +60,24 @@ def test_developer_messages_are_system_messages_unless_the_template_knows_the_ro
     knowing = _chat_tokenizer(tmp_path / "knowing", "{# developer #}" + turns)
     assert knowing.apply_chat_template(messages, add_generation_prompt=False) == (
         "<developer>be brief<user>q"
+    )
+
+
+def test_templates_render_as_under_transformers(tmp_path):
+    # Loop controls, a dated system prompt, tojson without HTML escapes, tools as None.
+    template = (
+        "{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
+        "{{ m.content | tojson }}{% if loop.index == 3 %}{% break %}{% endif %}{% endfor %}"
+        "|{{ strftime_now('%Y') }}|{{ 'tools' if tools is not none else 'no tools' }}"
+    )
+    tok = _chat_tokenizer(tmp_path / "t", template)
+    messages = [
+        {"role": "user", "content": "<a>&'é"},
+        {"role": "skip", "content": "x"},
+        {"role": "user", "content": "b"},
+        {"role": "user", "content": "never"},
+    ]
+    year = datetime.now().year
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == (
+        f'"<a>&\'é""b"|{year}|no tools'
     )

@@ -334,14 +334,16 @@ resources, preStop): preStop is the shell command the container runs before it s
   {{- end }}
   {{- /* Serve's ingress settings, as serve_app.service_ops.SERVE_ENV sets them where
   `baton serve` starts Serve (HAProxy in front of the routers' own servers; a Python
-  proxy, where one serves, reaching them over gRPC), each unless values.env names it. */}}
+  proxy, where one serves, reaching them over gRPC; the gRPC message limit, 16 MiB as
+  serve_config.MAX_REQUEST_BYTES), each unless values.env names it. */}}
   {{- $env := .root.Values.env | default list }}
   {{- $named := dict }}
   {{- range $env }}{{- $_ := set $named .name true }}{{- end }}
   {{- $serve := list }}
-  {{- range $name := list "RAY_SERVE_ENABLE_HA_PROXY" "RAY_SERVE_PROXY_USE_GRPC" }}
+  {{- $defaults := dict "RAY_SERVE_ENABLE_HA_PROXY" "1" "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE" "16777216" "RAY_SERVE_PROXY_USE_GRPC" "1" }}
+  {{- range $name, $value := $defaults }}
   {{- if not (hasKey $named $name) }}
-  {{- $serve = append $serve (dict "name" $name "value" "1") }}
+  {{- $serve = append $serve (dict "name" $name "value" $value) }}
   {{- end }}
   {{- end }}
   {{- $env = concat $serve $env }}

@@ -105,14 +105,15 @@ class KVTransferError(RuntimeError):
     prompt must be computed again; the importer itself is fine."""
 
 
-def check_transport(transport: str) -> None:
-    """ValueError unless `transport` is known and usable in this environment."""
+def check_transport(transport: str, field: str = "kv_transport") -> None:
+    """ValueError unless `transport` is known and usable in this environment; the message
+    names the caller's `field`."""
     if transport not in TRANSPORTS:
-        raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {transport!r}")
+        raise ValueError(f"{field} must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "nixl" and importlib.util.find_spec("nixl") is None:
         raise ValueError(
-            "kv_transport='nixl' needs the nixl package in every replica's environment "
-            "(pip install nixl), or use kv_transport='object_store'"
+            f"{field}='nixl' needs the nixl package in every replica's environment "
+            f"(pip install nixl), or use {field}='object_store'"
         )
 
 

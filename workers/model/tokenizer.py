@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,37 @@ from tokenizers import Tokenizer as HFTokenizer
 
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML; templates written for
+    # transformers (tool schemas, JSON arguments) expect plain json.dumps.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """What chat templates are written against: transformers' environment (loop
+    controls, `strftime_now` for templates that date the system prompt, its `tojson`),
+    so that a prompt renders as it does there and in vLLM."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env
 
 
 def _special_token_text(value: Any) -> str | None:
@@ -65,9 +97,7 @@ class Tokenizer:
         # template that does not name the role renders them as system messages.
         self._renames_developer = bool(template) and "developer" not in template
         if template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._chat_template = env.from_string(template)
+            self._chat_template = _template_environment().from_string(template)
 
     @property
     def vocab_size(self) -> int:
@@ -119,6 +149,9 @@ class Tokenizer:
             ]
         return self._chat_template.render(
             messages=messages,
+            # Given as None, as transformers does: templates test `tools is not none`.
+            tools=None,
+            documents=None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
