@@ -123,6 +123,16 @@ class PoolConfig(_Frozen):
     # greedy output unchanged). 0 turns it off. A prefill replica ignores it.
     speculative_tokens: int = Field(0, ge=0, le=16)
 
+    @model_validator(mode="after")
+    def _budget_per_step(self) -> PoolConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): each running sequence takes a token "
+                "of a step's budget; raise it or lower max_num_seqs"
+            )
+        return self
+
 
 class RouterConfig(_Frozen):
     num_replicas: int = Field(1, ge=1)

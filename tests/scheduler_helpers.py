@@ -22,8 +22,10 @@ def _seq(request_id: str, num_prompt_tokens: int, max_tokens: int = 4) -> Sequen
 
 
 def _scheduler(
-    num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 64, budget: int = 1024
+    num_blocks: int = 64, block_size: int = 4, max_num_seqs: int | None = None, budget: int = 1024
 ) -> Scheduler:
+    """By default as many sequences as the budget allows (at least a token each), up to 64."""
+    max_num_seqs = max_num_seqs or min(64, budget)
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
         KVCacheManager(num_blocks, block_size),

@@ -91,6 +91,8 @@ def test_unknown_or_out_of_range_fields_are_refused():
     with pytest.raises(ValueError, match="router.resources\n.*'GPU' is Ray's own resource"):
         AppConfig.model_validate({"router": {"resources": {"GPU": 1}}})
     assert AppConfig(decode=PoolConfig(resources={"baton_decode": 0.01})).decode.resources
+    with pytest.raises(ValueError, match=r"decode\n.*max_num_batched_tokens \(32\) must be >="):
+        AppConfig.model_validate({"decode": {"max_num_batched_tokens": 32}})
 
 
 def test_the_config_offers_exactly_the_engines_transports(model_dir):

@@ -46,7 +46,7 @@ def test_batch_and_chunked_prefill_give_the_same_tokens(model_dir):
     batched = _engine(model_dir)
     assert _outputs(batched, prompts) == alone
     # A 7-token budget splits long prompts into chunks and mixes them with decodes.
-    chunked = _engine(model_dir, max_num_batched_tokens=7)
+    chunked = _engine(model_dir, max_num_batched_tokens=7, max_num_seqs=7)
     assert _outputs(chunked, prompts) == alone
     assert chunked.stats().num_steps > batched.stats().num_steps
 

@@ -66,6 +66,10 @@ def test_lint_strict_is_clean(values):
             ["decode.replicas (9)", "1..4"],
         ),
         ({"decode": {"rayResource": "baton_prefill"}}, ["decode.rayResource", "prefill"]),
+        (
+            {"decode": {"replica": {"maxNumBatchedTokens": 32}}},
+            ["decode.replica.maxNumBatchedTokens (32) must be >= decode.replica.maxNumSeqs (64)"],
+        ),
         ({"prefill": {"replicas": 9}}, ["prefill.maxPods (8) must be >= prefill.replicas (9)"]),
         (
             {"decode": {"autoscaling": {"enabled": True, "maxReplicas": 12}}},

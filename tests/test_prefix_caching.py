@@ -137,7 +137,7 @@ def test_a_repeated_prompt_still_computes_its_last_token(model_dir, length):
 def test_a_hit_with_chunked_prefill_and_a_batch_matches_cold_runs(model_dir):
     prompts = [SYSTEM + _tokens(5 + 9 * i, seed=20 + i) for i in range(4)]
     cold = [_run(_engine(model_dir, enable_prefix_caching=False), p) for p in prompts]
-    engine = _engine(model_dir, max_num_batched_tokens=20)
+    engine = _engine(model_dir, max_num_batched_tokens=20, max_num_seqs=4)
     _run(engine, SYSTEM)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, GREEDY)

@@ -19,6 +19,11 @@ def test_config_rejects_non_positive_limits():
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=0)
+    # Below one token per running sequence, some would sit out whole steps.
+    with pytest.raises(
+        ValueError, match=r"max_num_batched_tokens \(32\) must be >= max_num_seqs \(64\)"
+    ):
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
 
 
 def test_empty_scheduler_schedules_nothing():
@@ -95,15 +100,14 @@ def test_running_sequences_are_scheduled_before_waiting_ones():
 
 
 def test_waiting_sequence_gets_nothing_when_running_ones_use_the_budget():
-    sched = _scheduler(budget=2)
-    a, b = _seq("a", 2, max_tokens=5), _seq("b", 1, max_tokens=5)
+    sched = _scheduler(budget=4)  # 4 sequences may run: the budget, not the count, binds
+    a, b = _seq("a", 2, max_tokens=5), _seq("b", 10, max_tokens=5)
     sched.add(a)
-    assert _ids(_step(sched)) == [("a", 2)]
     sched.add(b)
-    assert _ids(_step(sched)) == [("a", 1), ("b", 1)]
+    assert _ids(_step(sched)) == [("a", 2), ("b", 2)]
     c = _seq("c", 1)
     sched.add(c)
-    assert _ids(_step(sched)) == [("a", 1), ("b", 1)]
+    assert _ids(_step(sched)) == [("a", 1), ("b", 3)]  # b's prefill takes what a leaves
     assert list(sched.waiting) == [c]
     assert c.block_table == []
 

@@ -116,7 +116,9 @@ def test_a_preempted_sequence_finds_its_own_blocks_again():
     assert _ids(out) == [("b", known - 8)]
     assert b.num_computed_tokens == known
     assert b.num_cached_tokens == 0  # what the prompt found when it first arrived
-    assert sched.prefix_cache_hits == 8
+    # Finding its own blocks again is no prefix hit, nor a lookup: only first admissions
+    # count, or the hit rate would rise with memory pressure alone.
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (16, 0)
 
 
 def test_all_blocks_are_free_after_a_busy_shared_prefix_workload():

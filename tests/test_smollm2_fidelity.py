@@ -102,7 +102,9 @@ def test_batch_and_chunked_prefill_match_single_requests(smollm2_dir, engine, pr
     alone = [_greedy(engine, [p], 32)[0] for p in sixteen]
     assert _greedy(engine, sixteen, 32) == alone
     chunked = LLMEngine(
-        EngineConfig(model=str(smollm2_dir), num_threads=2, max_num_batched_tokens=48)
+        EngineConfig(
+            model=str(smollm2_dir), num_threads=2, max_num_batched_tokens=48, max_num_seqs=48
+        )
     )
     assert _greedy(chunked, sixteen, 32) == alone
 

@@ -3,6 +3,7 @@ Llama falls into repetition quickly, so its drafts are often right)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -197,10 +198,21 @@ def test_output_never_passes_max_tokens_or_a_stop(model_dir):
     # Each token of each output as a stop token: the output ends at its first occurrence,
     # also where that is a draft accepted in a step that had more drafts after it.
     inside_a_step = 0
-    for prompt in random_prompts(4):
-        free = _run(_engine(model_dir, speculative=None), [prompt])[0].output_token_ids
+    plain = _engine(model_dir, speculative=None)
+    for start in random_prompts(4):
+        # A prompt that already holds the loop the model falls into: the drafts match
+        # from the first steps, before the output repeats its own tokens.
+        prompt = start + _run(plain, [start])[0].output_token_ids[:16]
+        free = _run(plain, [prompt])[0].output_token_ids
+        # Where each step ends without a stop (its picks but the last match its drafts).
+        engine.add_request("free", prompt, GREEDY)
+        ends = []
+        while engine.has_unfinished():
+            ends += [len(o.new_token_ids) for o in engine.step()]
+        ends = list(itertools.accumulate(ends))
         for stop in sorted(set(free)):
             params = SamplingParams(**{**vars(GREEDY), "stop_token_ids": [stop]})
+            accepted_before = engine.stats().num_accepted_draft_tokens
             engine.add_request("r", prompt, params)
             outs = []
             while engine.has_unfinished():
@@ -208,6 +220,18 @@ def test_output_never_passes_max_tokens_or_a_stop(model_dir):
             assert [t for o in outs for t in o.new_token_ids] == free[: free.index(stop) + 1]
             assert outs[-1].finish_reason is FinishReason.STOP
             inside_a_step += len(outs[-1].new_token_ids) > 1
+            # Accepted drafts are the ones kept: each step's tokens but its last (the
+            # model's own), or all of them where a stop ended the step at a draft; never
+            # the drafts after the stop.
+            i = free.index(stop)
+            last = next(k for k, end in enumerate(ends) if end > i)  # the stop's step
+            steps = [b - a for a, b in itertools.pairwise(ends[: last + 1])]
+            kept = sum(n - 1 for n in steps[:-1])
+            if steps:
+                upto = i - ends[last - 1] + 1  # its step's tokens, up to the stop
+                kept += upto if upto < steps[-1] else upto - 1
+            accepted = engine.stats().num_accepted_draft_tokens - accepted_before
+            assert accepted == kept, (stop, ends)
     assert inside_a_step > 0
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 

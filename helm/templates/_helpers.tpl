@@ -77,6 +77,9 @@ message naming the value. Included once, from the RayService template.
 {{- if not (has $tp $valid) }}
 {{- fail (printf "%s.tensorParallelSize=%d does not divide the model's heads (model.numAttentionHeads=%d, model.numKeyValueHeads=%d); valid degrees: %s" $role $tp $heads $kvHeads (join ", " $valid)) }}
 {{- end }}
+{{- if lt (int $pool.replica.maxNumBatchedTokens) (int $pool.replica.maxNumSeqs) }}
+{{- fail (printf "%s.replica.maxNumBatchedTokens (%d) must be >= %s.replica.maxNumSeqs (%d): each running sequence takes a token of a step's budget" $role (int $pool.replica.maxNumBatchedTokens) $role (int $pool.replica.maxNumSeqs)) }}
+{{- end }}
 {{- if $pool.autoscaling.enabled }}
 {{- $min := int $pool.autoscaling.minReplicas }}
 {{- $max := int $pool.autoscaling.maxReplicas }}

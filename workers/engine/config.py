@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.kv_transport import check_transport
+from workers.engine.scheduler import SchedulerConfig
 from workers.model.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,6 +113,8 @@ class EngineConfig:
         if not self.handoff_timeout_s > 0:  # also rejects NaN
             raise ValueError(f"handoff_timeout_s must be > 0, got {self.handoff_timeout_s!r}")
         check_transport(self.kv_transport)
+        # The scheduler's own limits, refused here already (what builds the engine's).
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -231,7 +231,9 @@ class LLMEngine:
             self.kv.commit_computed_blocks(seq)
         self._num_generated += len(outs)
         if drafts:
-            self.speculator.record(seq, len(drafts), len(picked) - 1)
+            # Accepted: the drafts kept, each pick before the last one (the model's own),
+            # up to where a stop ended the request.
+            self.speculator.record(seq, len(drafts), min(len(outs), len(picked) - 1))
             if not seq.finished:
                 self.kv.trim(seq)
         return outs[0] if len(outs) == 1 else merge_outputs(outs)

@@ -33,6 +33,14 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Each running sequence takes at least one token of a step's budget: past the
+            # budget, sequences would sit out steps, and later ones wait for earlier ones
+            # to finish whole.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}); raise it or lower max_num_seqs"
+            )
 
 
 @dataclass(frozen=True)
@@ -188,11 +196,12 @@ class Scheduler:
             self.prefix_cache_hits += num_hits
 
     def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:
-        if not self.kv.enable_prefix_caching:
+        # A preempted sequence finding its own blocks again is no prefix hit: only a
+        # first admission counts (as in vLLM), so the rate does not rise with preemptions.
+        if not self.kv.enable_prefix_caching or seq.num_preemptions:
             return
         self.count_prefix_lookup(seq.num_tokens, cached)
-        if seq.num_preemptions == 0:
-            seq.num_cached_tokens = cached
+        seq.num_cached_tokens = cached
 
     def preempt(self, seq: Sequence) -> None:
         """Frees a sequence's blocks and queues it first, to be recomputed (prompt and
