@@ -11,6 +11,7 @@ the field at fault (the OpenAI error body's `param`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import replace
@@ -34,6 +35,8 @@ from workers.engine.sampling_params import (
 
 # An HTTP body over this is refused before it is parsed (gRPC has the same limit).
 MAX_BODY_BYTES = MAX_REQUEST_BYTES
+# A body past this is parsed on a worker thread (below it the thread hop costs more).
+INLINE_PARSE_BYTES = 256 * 2**10
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Choices per request: each is an engine request of its own.
 MAX_CHOICES = 16
@@ -60,6 +63,18 @@ def _check_sizes(body: dict[str, Any]) -> None:
         if isinstance(value, (list, dict)) and len(value) > limit:
             raise InvalidRequestError(
                 f"{name} takes at most {limit} entries, got {len(value)}", param=name
+            )
+    messages = body.get("messages")
+    if isinstance(messages, list):  # and their content parts, all together
+        parts = sum(
+            len(m["content"])
+            for m in messages
+            if isinstance(m, dict) and isinstance(m.get("content"), list)
+        )
+        if parts > MAX_MESSAGES:
+            raise InvalidRequestError(
+                f"messages: at most {MAX_MESSAGES} content parts in all, got {parts}",
+                param="messages",
             )
 
 
@@ -359,8 +374,12 @@ async def json_body(raw: Request) -> object:
         if size > MAX_BODY_BYTES:
             raise _body_too_large(size)
         chunks.append(chunk)
+    data = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks))
+        if len(data) <= INLINE_PARSE_BYTES:
+            return json.loads(data)
+        # Megabytes of JSON take the parser a second: the router's other streams go on.
+        return await asyncio.to_thread(json.loads, data)
     except RecursionError:
         raise InvalidRequestError("the request body nests JSON too deeply") from None
     except ValueError:  # bad JSON or UTF-8, or an integer past Python's digit limit

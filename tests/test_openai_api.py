@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from serve_app.openai_api import (
     DEFAULT_COMPLETION_MAX_TOKENS,
+    INLINE_PARSE_BYTES,
     MAX_BODY_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -355,6 +356,14 @@ def test_list_fields_are_bounded_before_they_are_parsed(field, value, limit):
     assert e.value.param == field
 
 
+def test_content_parts_are_bounded_across_all_messages_before_they_are_parsed():
+    part = {"type": "text", "text": ""}
+    parse(ChatCompletionRequest, _chat(messages=[{"role": "user", "content": [part] * 2048}]))
+    split = [{"role": "user", "content": [part] * 1025}] * 2
+    with pytest.raises(InvalidRequestError, match="at most 2048 content parts in all, got 2050"):
+        parse(ChatCompletionRequest, _chat(messages=split))
+
+
 def test_context_errors_name_the_fields_the_client_sent():
     chat = parse(ChatCompletionRequest, _chat(max_completion_tokens=9))
     prompt_error = InvalidRequestError("too long", param="prompt")
@@ -408,6 +417,8 @@ def test_a_body_is_read_as_json_up_to_its_limit():
 
     client = TestClient(app)
     assert client.post("/", json={"a": 1}).json() == {"a": 1}
+    large = {"text": "x" * INLINE_PARSE_BYTES}  # parsed on a worker thread, as the same
+    assert client.post("/", json=large).json() == large
     assert "must be a JSON object" in client.post("/", content=b"{oops").json()["refused"]
     # Python's own limits on JSON are the client's error too, not a 500.
     assert "nests JSON too deeply" in client.post("/", content=b"[" * 100_000).json()["refused"]
