@@ -45,9 +45,9 @@ OutputChannel = Literal["grpc", "actor_call"]
 # roughly doubles batched decode and prefill throughput (bench/engine.py --dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
-# Ray's own resources have fields of their own (num_cpus, num_gpus); in `resources`
-# Ray would refuse them only once a replica is placed.
-_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+# Ray's own resources with fields of their own (num_cpus, num_gpus); in `resources` Ray
+# would refuse them only once a replica is placed.
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU")
 
 
 def _custom_resources(resources: dict[str, float]) -> dict[str, float]:

@@ -30,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
 from serve_app.decode_handoff import DecodeHandoff, HandoffStats
-from serve_app.gpu_telemetry import read_gpus
+from serve_app.gpu_telemetry import read_gpus, replica_gpus
 from serve_app.metrics import ReplicaMetrics
 from serve_app.output_mux import OutputChannels
 from serve_app.prefix_registry import HEARTBEAT_S, PrefixRegistryConfig, get_or_create_registry
@@ -60,8 +60,8 @@ class EngineServer:
         self.replica_id = context.replica_id.unique_id
         self.app_name = context.app_name
         self.metrics = ReplicaMetrics(context.app_name, role, self.replica_id)
-        self.gpus = read_gpus()
         pool = config.pools()[role]
+        self.gpus = replica_gpus(pool.num_gpus, pool.tensor_parallel_size)
         model_dir = config.model_dir()
         engine_config = config.engine_config(pool, str(model_dir), model_identity(model_dir))
         self.registry_config = PrefixRegistryConfig(name=config.registry_name)
@@ -200,7 +200,7 @@ class EngineServer:
             # Keeps this replica's entries in the registry while its cache is quiet.
             self._last_heartbeat = time.monotonic()
             self._publish([], [])
-        if self.gpus.available or self.gpus.transient:  # no driver or GPU stays so
+        if self.gpus.transient or self.gpus.available:  # no driver or GPU stays so
             self.gpus = read_gpus()
             self.metrics.gpus(self.gpus)
         self.metrics.engine(s)

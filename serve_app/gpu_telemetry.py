@@ -36,6 +36,16 @@ class GpuReport:
         return asdict(self)
 
 
+def replica_gpus(num_gpus: float, tensor_parallel_size: int) -> GpuReport:
+    """A pool replica's first report. Ray sets CUDA_VISIBLE_DEVICES only for an actor that
+    asks for GPUs; one that does not would see, and report, every GPU of its node."""
+    if num_gpus == 0:
+        return GpuReport(False, "this pool's replicas use no GPU")
+    if tensor_parallel_size > 1:
+        return GpuReport(False, "held by the replica's TP ranks, not reported per replica")
+    return read_gpus()
+
+
 def read_gpus(visible: str | None = None) -> GpuReport:
     """The devices `visible` (CUDA_VISIBLE_DEVICES' syntax; by default the variable,
     and unset means every device) names."""
@@ -55,6 +65,12 @@ def read_gpus(visible: str | None = None) -> GpuReport:
     try:
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         chosen = list(enumerate(handles)) if wanted is None else _visible(handles, wanted)
+        if not chosen:
+            return GpuReport(
+                False,
+                f"CUDA_VISIBLE_DEVICES={visible} names no device NVML lists "
+                "(MIG slices are not reported)",
+            )
         return GpuReport(True, devices=[_device(i, h) for i, h in chosen])
     except pynvml.NVMLError as e:
         return GpuReport(False, f"NVML failed to read the devices ({e})", transient=True)

@@ -221,7 +221,7 @@ def http_error(exc: BaseException) -> JSONResponse:
 
 async def openai_http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
     """The response for a path or method the app does not serve (FastAPI's 404 / 405)."""
-    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    kind = "invalid_request_error" if exc.status_code < 500 else HTTP_ERROR_TYPE["internal"]
     message = f"{exc.detail}: {raw.method} {raw.url.path}"
     return JSONResponse(error_body(message, kind), exc.status_code, headers=exc.headers)
 

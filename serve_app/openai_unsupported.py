@@ -46,8 +46,8 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template_kwargs": (({},), "the chat template takes no arguments"),
     "spaces_between_special_tokens": ((True,), "special tokens are always spaced"),
     "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),
-    "documents": ((), "the chat template is given no documents"),
-    "logits_processors": ((), "a request cannot bring logits processors; use logit_bias"),
+    "documents": (([],), "the chat template is given no documents"),
+    "logits_processors": (([],), "a request cannot bring logits processors; use logit_bias"),
     # OpenAI's audio output.
     "modalities": ((["text"],), "only text is generated"),
     "audio": ((), "audio output is not supported"),

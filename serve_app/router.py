@@ -196,8 +196,11 @@ class Router(HealthService):
             await outputs.aclose()  # its finally clauses only drop what it registered
             self.metrics.generated(api, last.num_output_tokens if last else 0)
 
-    async def _tokenize(self, prompt: PromptInput) -> list[int]:
-        self.frontend.check_size(prompt)
+    async def _tokenize(self, prompt: PromptInput, to_generate: bool = True) -> list[int]:
+        """The prompt's tokens; one `to_generate` from is refused first if it cannot fit
+        the context (Tokenize counts a text of any size the message limit lets through)."""
+        if to_generate:
+            self.frontend.check_size(prompt)
         if prompt.num_chars() > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(self.frontend.tokenize, prompt)
         return self.frontend.tokenize(prompt)
@@ -255,7 +258,7 @@ class Router(HealthService):
     ) -> pb.TokenizeResponse:
         try:
             self._authorize(_grpc_authorization(grpc_context))
-            ids = await self._tokenize(prompt_from_proto(decoded(request)))
+            ids = await self._tokenize(prompt_from_proto(decoded(request)), to_generate=False)
         except Exception as e:
             set_status(grpc_context, e)
             return pb.TokenizeResponse()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from pydantic import ValidationError
 from ray import serve
 
 from serve_app.config import AppConfig
@@ -32,7 +33,7 @@ from serve_app.serve_config import (
     HTTP_PORT,
     MAX_REQUEST_BYTES,
 )
-from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
+from serve_app.status_board import DEFAULT_BOARD_NAME, find_board, get_or_create_board
 
 log = logging.getLogger("baton")
 
@@ -74,8 +75,9 @@ def connect(address: str | None = None, start_if_missing: bool = False) -> None:
     num_cpus = max(os.cpu_count() or 1, LOCAL_HEAD_MIN_CPUS)
     # To a file, not a pipe: the daemons it leaves behind inherit it, and a pipe would
     # never reach EOF. Kept to say why, if it fails.
-    output = Path(tempfile.gettempdir()) / "baton-ray-start.log"
-    with open(output, "w") as out:
+    fd, name = tempfile.mkstemp(prefix="baton-ray-start-", suffix=".log")
+    output = Path(name)
+    with os.fdopen(fd, "w") as out:
         started = subprocess.run(
             [
                 ray_bin,
@@ -146,8 +148,10 @@ def deploy(
     # Stored first: Serve goes on deploying after a timeout here, and `baton scale` must
     # still find the config then. A deploy Serve refuses or fails leaves the last one.
     board = get_or_create_board(DEFAULT_BOARD_NAME)
-    record = Deployed(config, route_prefix, code_version).to_record()
-    previous = ray.get(board.set_config.remote(app_name, record))
+    previous = ray.get(board.config.remote(app_name))
+    ray.get(
+        board.set_config.remote(app_name, Deployed(config, route_prefix, code_version).to_record())
+    )
     try:
         _run_within(app, app_name, route_prefix, timeout_s)
     except TimeoutError:
@@ -210,16 +214,29 @@ class Deployed:
         }
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Deployed:
-        config = AppConfig.model_validate(record["config"])
+    def from_record(cls, app_name: str, record: dict[str, Any]) -> Deployed:
+        try:
+            config = AppConfig.model_validate(record["config"])
+        except ValidationError as e:
+            # Deployed by an earlier Baton, under rules that have changed since.
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "config"
+            raise ValueError(
+                f"application {app_name!r} was deployed with a config this Baton refuses "
+                f"({where}: {first['msg']}); deploy it again with `baton serve`"
+            ) from None
         # A record an earlier Baton kept has no code version: the current code's is used.
         return cls(config, record["route_prefix"], record.get("code_version", ""))
 
 
+def _record(app_name: str) -> dict[str, Any] | None:
+    return ray.get(get_or_create_board(DEFAULT_BOARD_NAME).config.remote(app_name))
+
+
 def deployed(app_name: str = APP_NAME) -> Deployed | None:
     """How `baton serve` deployed the application, or None (not by `baton serve`)."""
-    record = ray.get(get_or_create_board(DEFAULT_BOARD_NAME).config.remote(app_name))
-    return None if record is None else Deployed.from_record(record)
+    record = _record(app_name)
+    return None if record is None else Deployed.from_record(app_name, record)
 
 
 def scale(pool: str, num_replicas: int, app_name: str = APP_NAME, fixed: bool = False) -> AppConfig:
@@ -234,6 +251,15 @@ def scale(pool: str, num_replicas: int, app_name: str = APP_NAME, fixed: bool = 
             "its Serve config instead (e.g. `helm upgrade --set prefill.replicas=N`)"
         )
     config = rescaled(current.config, pool, num_replicas, fixed)
+    from serve_app.app import source_digest
+
+    if current.code_version and current.code_version != source_digest():
+        log.warning(
+            "Baton's code here differs from what `baton serve` deployed: the new %s "
+            "replicas load the code on their nodes, the running ones keep theirs; run "
+            "`baton serve` to roll every pool onto one version",
+            pool,
+        )
     # Serve is running: serve.start() inside keeps its ports whatever deploy() passes.
     deploy(
         config,
@@ -274,8 +300,9 @@ def status(app_name: str = APP_NAME, board_name: str | None = None) -> dict[str,
     if app is None:
         raise ValueError(f"no application {app_name!r} is deployed; run `baton serve`")
     if board_name is None:
-        current = deployed(app_name)
-        board_name = DEFAULT_BOARD_NAME if current is None else current.config.status_board_name
+        # Read as stored, not validated: a config an earlier Baton kept still names it.
+        record = _record(app_name) or {}
+        board_name = record.get("config", {}).get("status_board_name", DEFAULT_BOARD_NAME)
     snapshots = [
         s
         for s in ray.get(get_or_create_board(board_name).snapshots.remote())
@@ -322,7 +349,9 @@ def stop(app_name: str = APP_NAME) -> Stopped:
         serve.delete(app_name)
     # Forgotten even where Serve had no such app (deleted by other means): a later
     # `baton scale` must not bring back what was stopped.
-    ray.get(get_or_create_board(DEFAULT_BOARD_NAME).set_config.remote(app_name, None))
+    board = find_board(DEFAULT_BOARD_NAME)
+    if board is not None:
+        ray.get(board.set_config.remote(app_name, None))
     others = apps - {app_name}
     if apps and not others:
         serve.shutdown()

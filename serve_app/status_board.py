@@ -56,3 +56,11 @@ def get_or_create_board(name: str) -> ray.actor.ActorHandle:
         max_restarts=-1,  # its node lost, it starts again elsewhere (replicas post anew)
     )
     return actor.remote()
+
+
+def find_board(name: str) -> ray.actor.ActorHandle | None:
+    """The named board actor if one exists, without creating it."""
+    try:
+        return ray.get_actor(name, namespace=BOARD_NAMESPACE)
+    except ValueError:
+        return None

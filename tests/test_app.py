@@ -90,7 +90,8 @@ def test_unknown_or_out_of_range_fields_are_refused():
         AppConfig.model_validate({"prefill": {"resources": {"baton_x": -1}}})
     with pytest.raises(ValueError, match="router.resources\n.*'GPU' is Ray's own resource"):
         AppConfig.model_validate({"router": {"resources": {"GPU": 1}}})
-    assert AppConfig(decode=PoolConfig(resources={"baton_decode": 0.01})).decode.resources
+    resources = {"baton_decode": 0.01, "memory": 2**30}  # Ray's memory is a resource here
+    assert AppConfig(decode=PoolConfig(resources=resources)).decode.resources == resources
     with pytest.raises(ValueError, match=r"decode\n.*max_num_batched_tokens \(32\) must be >="):
         AppConfig.model_validate({"decode": {"max_num_batched_tokens": 32}})
 

@@ -7,7 +7,7 @@ import types
 import pynvml
 import pytest
 
-from serve_app.gpu_telemetry import read_gpus
+from serve_app.gpu_telemetry import read_gpus, replica_gpus
 
 
 def test_without_an_nvidia_driver_the_report_says_so(monkeypatch):
@@ -66,7 +66,9 @@ def test_a_process_reports_only_the_devices_cuda_visible_devices_gives_it(monkey
     assert indices("2") == [2] and indices("3,1") == [3, 1]
     assert indices("GPU-1a1b-0000") == [1] and indices("GPU-2a") == [2]  # a UUID or prefix
     assert indices("1,7,2") == [1]  # CUDA stops at an entry that names no device
-    assert indices("GPU-") == []  # a prefix of several names none
+    for names_none in ("GPU-", "MIG-4f5e6a7b", "NoDevFiles"):  # "GPU-": a prefix of several
+        report = read_gpus(names_none)
+        assert not report.available and "names no device" in report.reason, names_none
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
     assert indices(None) == [0, 2]
     given_none = read_gpus("")
@@ -92,3 +94,14 @@ def test_this_machine_reports_without_raising():
     # Either devices were read or the reason there are none is spelled out.
     assert report.available or (report.reason and not report.devices)
     assert report.to_dict()["available"] == report.available
+
+
+def test_a_replica_without_gpus_of_its_own_reports_none_rather_than_its_nodes(monkeypatch):
+    _fake_nvml(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # as Ray leaves it for them
+    cpu = replica_gpus(num_gpus=0, tensor_parallel_size=1)
+    assert not cpu.available and "use no GPU" in cpu.reason
+    tp = replica_gpus(num_gpus=1, tensor_parallel_size=2)
+    assert not tp.available and "TP ranks" in tp.reason
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert [d.index for d in replica_gpus(num_gpus=1, tensor_parallel_size=1).devices] == [1]

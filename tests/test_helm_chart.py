@@ -66,6 +66,8 @@ def test_lint_strict_is_clean(values):
             ["decode.replicas (9)", "1..4"],
         ),
         ({"decode": {"rayResource": "baton_prefill"}}, ["decode.rayResource", "prefill"]),
+        ({"decode": {"rayResource": "GPU"}}, ["decode.rayResource (GPU) is Ray's own"]),
+        ({"router": {"rayResources": {"CPU": 1}}}, ["router.rayResources.CPU is Ray's own"]),
         (
             {"decode": {"replica": {"maxNumBatchedTokens": 32}}},
             ["decode.replica.maxNumBatchedTokens (32) must be >= decode.replica.maxNumSeqs (64)"],

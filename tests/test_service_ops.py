@@ -16,7 +16,12 @@ from serve_app import app as app_module
 from serve_app import node_drain, service_ops
 from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, AutoscalingConfig, PoolConfig
-from serve_app.serve_config import APP_NAME, GRPC_SERVICER_FUNCTIONS, serve_config
+from serve_app.serve_config import (
+    APP_NAME,
+    DEPLOYMENT_NAMES,
+    GRPC_SERVICER_FUNCTIONS,
+    serve_config,
+)
 from serve_app.status_board import get_or_create_board
 
 
@@ -118,11 +123,16 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     monkeypatch.setattr(app_module, "source_digest", lambda: "edited since")
     service_ops.scale("aggregated", 2)
 
-    def two_running() -> set[str] | None:
+    def settled() -> set[str] | None:
+        # Serve done with the change (a roll would stop `first` on the way), and both
+        # replicas posting.
+        app = serve.status().applications[APP_NAME]
+        engines = app.deployments[DEPLOYMENT_NAMES["aggregated"]].replica_states
         running = _running_replicas(board, APP_NAME)
-        return running if len(running) == 2 else None
+        done = app.status == ApplicationStatus.RUNNING and engines == {"RUNNING": 2}
+        return running if done and len(running) == 2 else None
 
-    running = wait_for(two_running, "2 running replicas")
+    running = wait_for(settled, "2 running replicas")
     assert first in running
     assert {r["replica_id"] for r in service_ops.status()["replicas"]} == running
     service_ops.deploy(config, app_name="neighbour", route_prefix="/neighbour", **serve_ports)
@@ -225,3 +235,17 @@ def test_rescaling_an_autoscaled_pool_needs_fixed_which_turns_its_autoscaling_of
         service_ops.rescaled(config, "aggregated", 2)
     with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
         service_ops.rescaled(config, "prefill", 0)
+
+
+def test_a_config_an_earlier_baton_kept_that_this_one_refuses_says_to_redeploy():
+    record = {"config": {"decode": {"max_num_batched_tokens": 32}}, "route_prefix": "/"}
+    with pytest.raises(ValueError) as err:
+        service_ops.Deployed.from_record("baton", record)
+    assert str(err.value).startswith(
+        "application 'baton' was deployed with a config this Baton refuses (decode: Value "
+        "error, max_num_batched_tokens (32) must be >= max_num_seqs (64)"
+    )
+    assert str(err.value).endswith("deploy it again with `baton serve`")
+    # A record of an earlier Baton, without a code version, is read with none.
+    record = {"config": {}, "route_prefix": "/v2"}
+    assert service_ops.Deployed.from_record("baton", record).code_version == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 import pytest
@@ -47,6 +48,7 @@ def _chat_tokenizer(tmp_path, template: str) -> Tokenizer:
         str(tmp_path / "tokenizer.json")
     )
     (tmp_path / "chat_template.jinja").write_text(template)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     return Tokenizer(tmp_path)
 
 
@@ -69,6 +71,8 @@ def test_templates_render_as_under_transformers(tmp_path):
         "{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
         "{{ m.content | tojson }}{% if loop.index == 3 %}{% break %}{% endif %}{% endfor %}"
         "|{{ strftime_now('%Y') }}|{{ 'tools' if tools is not none else 'no tools' }}"
+        "|{% generation %}{{ eos_token }}{% endgeneration %}"
+        "|{{ 'pad' if pad_token is defined else 'no pad' }}"
     )
     tok = _chat_tokenizer(tmp_path / "t", template)
     messages = [
@@ -79,5 +83,5 @@ def test_templates_render_as_under_transformers(tmp_path):
     ]
     year = datetime.now().year
     assert tok.apply_chat_template(messages, add_generation_prompt=False) == (
-        f'"<a>&\'é""b"|{year}|no tools'
+        f'"<a>&\'é""b"|{year}|no tools|</s>|no pad'
     )

@@ -105,6 +105,9 @@ message naming the value. Included once, from the RayService template.
 {{- if le (sub $grace 10) (int $pool.replica.gracefulShutdownTimeoutS) }}
 {{- fail (printf "%s.terminationGracePeriodSeconds (%d) must exceed %s.replica.gracefulShutdownTimeoutS (%v) by more than 10 s: a stopping pod drains until 10 s before its end, and its replica needs the graceful-shutdown time within that" $role $grace $role $pool.replica.gracefulShutdownTimeoutS) }}
 {{- end }}
+{{- if has $pool.rayResource (list "CPU" "GPU") }}
+{{- fail (printf "%s.rayResource (%s) is Ray's own resource: name a custom one (the pods offer it); CPUs and GPUs come from %s.replica.numCpus and numGpus" $role $pool.rayResource $role) }}
+{{- end }}
 {{- if hasKey $seen $pool.rayResource }}
 {{- fail (printf "%s.rayResource (%s) is also %s.rayResource: each pool needs its own so replicas land on their own pods" $role $pool.rayResource (get $seen $pool.rayResource)) }}
 {{- end }}
@@ -121,6 +124,11 @@ rayStartParams `resources` would replace it) and CPUs for router.replicas x numC
 {{- define "baton.validateRouter" -}}
 {{- $router := .Values.router }}
 {{- $head := .Values.head }}
+{{- range $name := list "CPU" "GPU" }}
+{{- if hasKey ($router.rayResources | default dict) $name }}
+{{- fail (printf "router.rayResources.%s is Ray's own resource: set router.numCpus instead (routers take no GPU)" $name) }}
+{{- end }}
+{{- end }}
 {{- if $router.onHead }}
 {{- if hasKey $head.rayStartParams "resources" }}
 {{- fail "head.rayStartParams.resources would replace the resource the head offers its routers (router.onHead); set router.onHead=false and place the routers with router.rayResources" }}

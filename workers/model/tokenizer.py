@@ -10,8 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _raise(message: str) -> None:
@@ -36,12 +49,25 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationTag(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks an assistant's
+    tokens for training masks: rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _template_environment() -> ImmutableSandboxedEnvironment:
     """What chat templates are written against: transformers' environment (loop
-    controls, `strftime_now` for templates that date the system prompt, its `tojson`),
-    so that a prompt renders as it does there and in vLLM."""
+    controls, the generation tag, `strftime_now` for templates that date the system
+    prompt, its `tojson`), so that a prompt renders as it does there and in vLLM."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _GenerationTag],
     )
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
@@ -84,8 +110,13 @@ class Tokenizer:
         self._added = {t["id"] for t in spec.get("added_tokens", [])}
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.bos_token = _special_token_text(config.get("bos_token"))
         self.eos_token = _special_token_text(config.get("eos_token"))
+        # What a chat template sees of them, as under transformers: those set, by name.
+        self._special_tokens = {
+            name: text
+            for name in _SPECIAL_TOKEN_NAMES
+            if (text := _special_token_text(config.get(name))) is not None
+        }
         template = config.get("chat_template")
         template_file = model_dir / "chat_template.jinja"
         if template is None and template_file.is_file():
@@ -153,8 +184,7 @@ class Tokenizer:
             tools=None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            **self._special_tokens,
         )
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
