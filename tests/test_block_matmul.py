@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -74,10 +76,19 @@ def test_the_batched_path_multiplies_by_exactly_the_dequantized_weights(kind):
 
 
 @pytest.mark.parametrize("rows", [4, 20])
-def test_matmul_uses_the_callers_thread_count(rows):
+def test_matmul_uses_the_callers_thread_count(rows, monkeypatch):
     weight = np.random.default_rng(1).standard_normal((256, 64)).astype(np.float32)
     blocks, reference = gguf_blocks(weight, "q4_1")
     x = torch.randn(rows, 64)
+    lib = block_matmul.kernels.library()
+    told = []  # the thread count each call hands the kernel (its last argument)
+
+    def recording(*args):
+        told.append(args[-1])
+        return lib.baton_block_matmul(*args)
+
+    wrapped = SimpleNamespace(baton_block_matmul=recording)
+    monkeypatch.setattr(block_matmul.kernels, "library", lambda: wrapped)
     before = torch.get_num_threads()
     try:
         outs = []
@@ -86,6 +97,7 @@ def test_matmul_uses_the_callers_thread_count(rows):
             outs.append(blocks.matmul(x))
     finally:
         torch.set_num_threads(before)
+    assert told == [1, 2]
     # Each output is one thread's sum whatever the split, so the results agree exactly.
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     torch.testing.assert_close(outs[0], x @ torch.from_numpy(reference).t(), rtol=1e-5, atol=1e-4)

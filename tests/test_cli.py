@@ -10,8 +10,9 @@ import pytest
 import torch
 from tiny_model import make_tiny_model
 
-from serve_app import cli
+from serve_app import cli, service_ops
 from serve_app.cli import main
+from serve_app.serve_config import APP_NAME
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
@@ -272,3 +273,34 @@ def test_serve_deploys_the_named_application_under_its_route_prefix(
     assert main(["serve", "--model", str(model_dir), *flags]) == 0
     (kwargs,) = deployed
     assert {k: kwargs[k] for k in ("app_name", "route_prefix") if k in kwargs} == where
+
+
+@pytest.mark.parametrize(
+    ("stopped", "stops_ray"),
+    [
+        (service_ops.Stopped(app_deleted=True, apps_left=(), local_head=True), True),
+        # Joined through RAY_ADDRESS, or other applications still on Serve: Ray stays.
+        (service_ops.Stopped(app_deleted=True, apps_left=(), local_head=False), False),
+        (service_ops.Stopped(app_deleted=True, apps_left=("chat",), local_head=True), False),
+    ],
+)
+def test_stop_stops_ray_only_where_baton_started_it_and_nothing_else_runs(
+    monkeypatch, stopped, stops_ray
+):
+    stopped_ray = []
+    monkeypatch.setattr(service_ops, "connect", lambda *a, **k: None)
+    monkeypatch.setattr(service_ops, "stop", lambda app_name=APP_NAME: stopped)
+    monkeypatch.setattr(service_ops, "stop_local_head", lambda: stopped_ray.append(True))
+    assert main(["stop"]) == 0
+    assert stopped_ray == ([True] if stops_ray else [])
+
+
+@pytest.mark.parametrize(("serving_left", "status"), [(0, 0), (2, 1)])
+def test_drain_exits_1_while_the_node_still_serves(monkeypatch, serving_left, status):
+    from serve_app import node_drain
+
+    def drain(node_id, deadline_s, address):
+        return node_drain.DrainResult(node_id or "n1", serving_left, 3.0)
+
+    monkeypatch.setattr(node_drain, "drain", drain)
+    assert main(["drain", "--deadline-s", "5"]) == status

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from serve_app.engine_server import EngineServer
 
 
@@ -23,3 +25,15 @@ def test_a_replica_whose_engine_failed_withdraws_from_routing_and_the_registry_o
     assert replica.record_routing_stats() == {"healthy": 0.0}
     assert replica.record_routing_stats() == {"healthy": 0.0}
     assert removed == ["r1"]
+
+
+def test_a_replica_whose_engine_failed_fails_serves_health_check():
+    # What makes Serve replace it (after three failed checks).
+    replica = _Replica.__new__(_Replica)
+    replica.role, replica.replica_id = "prefill", "r2"
+    healthy = [True]
+    replica.engine = SimpleNamespace(is_healthy=lambda: healthy[0])
+    replica.check_health()
+    healthy[0] = False
+    with pytest.raises(RuntimeError, match="prefill replica r2: its engine has failed"):
+        replica.check_health()

@@ -222,6 +222,30 @@ def test_a_waiting_import_that_fits_is_not_blocked_by_an_older_one(model_dir):
             outputs.setdefault(out.request_id, []).append(out)
     assert _tokens_of(outputs["small"]) == _tokens_of(_single(cold, small))
     assert _tokens_of(outputs["big"]) == _tokens_of(_single(cold, big))
+    # "small" was imported past "big", not recomputed by the stuck-imports fallback.
+    assert decode.stats().num_preemptions == 0
+    _assert_all_free(prefill, decode)
+
+
+def test_an_import_waits_for_a_sequence_slot_with_blocks_to_spare(model_dir):
+    prefill = _engine(model_dir)
+    decode = _engine(model_dir, num_kv_blocks=64, max_num_seqs=1)
+    busy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    decode.add_request("busy", _tokens(BLOCK + 1, seed=95), busy)
+    decode.step()  # the only sequence slot is taken
+    prompt = _tokens(2 * BLOCK + 1, seed=96)
+    _prefill(prefill, "r", prompt)
+    handle, parts = prefill.export_kv("r")
+    decode.add_prefilled_request("r", prompt, GREEDY, handle, parts)
+    prefill.release_handoff("r")
+    decode.step()
+    stats = decode.stats()
+    assert (stats.imports_waiting, stats.num_running) == (1, 1)
+    outputs: dict[str, list[RequestOutput]] = {}
+    while decode.has_unfinished():
+        for out in decode.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert outputs["r"][-1].finished and decode.stats().num_preemptions == 0
     _assert_all_free(prefill, decode)
 
 

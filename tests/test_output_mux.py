@@ -237,8 +237,7 @@ def test_a_subscription_ends_when_idle_but_not_while_a_muxed_request_is_live():
         assert svc.channels.stats()["open_subscriptions"] == 1
         svc.engine.step(5, finish=True)
         assert _tokens(await task) == [5]
-        await asyncio.sleep(0.3)
-        assert svc.channels.stats()["open_subscriptions"] == 0
+        await _eventually(lambda: svc.channels.stats()["open_subscriptions"] == 0)
         # The next request streams on its call again, and subscribes anew.
         assert await svc.run_alone("r2", 6) == [6]
         await svc.subscribed()

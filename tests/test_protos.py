@@ -313,16 +313,6 @@ def test_the_stubs_unary_methods_over_the_wire(channel: grpc.Channel) -> None:
     assert info.model_id == "echo" and info.block_size == 16
 
 
-def test_server_health_check(channel: grpc.Channel) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    for service in (SERVICE, ""):  # "" is the server as a whole
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Check(health_pb2.HealthCheckRequest(service="baton.v1.Nope"), timeout=5)
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
-
-
 def test_server_reflection_lists_baton(channel: grpc.Channel) -> None:
     database = ProtoReflectionDescriptorDatabase(channel)
     services = database.get_services()

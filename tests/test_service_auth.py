@@ -127,41 +127,29 @@ def test_plain_http_without_a_key_is_a_401_asking_for_bearer(keyed):
 
 def test_a_rewritten_key_file_rotates_the_keys_live(keyed):
     keyed["file"].write_text("rotated-key\n")
-    with BatonClient(keyed["grpc"], application=APP, api_key="rotated-key") as client:
-        assert client.tokenize("Hello")
-    with (
-        BatonClient(keyed["grpc"], application=APP, api_key=KEYS[0]) as client,
-        pytest.raises(grpc.RpcError) as caught,
-    ):
-        client.tokenize("Hello")
-    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    try:
+        with BatonClient(keyed["grpc"], application=APP, api_key="rotated-key") as client:
+            assert client.tokenize("Hello")
+        with (
+            BatonClient(keyed["grpc"], application=APP, api_key=KEYS[0]) as client,
+            pytest.raises(grpc.RpcError) as caught,
+        ):
+            client.tokenize("Hello")
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:  # the other tests' keys, whatever order they run in
+        keyed["file"].write_text("\n".join(KEYS) + "\n")
 
 
 def test_the_router_counts_client_requests_not_choices(keyed, ray_metrics_port):
-    """Run last: it counts every generation call this module made to its application
-    (metrics are cumulative and exported on an interval, so exact totals are the test)."""
-    keyed["file"].write_text("metrics-key\n")
-    client = openai.OpenAI(base_url=f"{keyed['http']}/v1", api_key="metrics-key")
-    three = client.completions.create(
-        model="SmolLM2-135M-Instruct",
-        prompt="Hi",
-        max_tokens=4,
-        n=3,
-        extra_body={"ignore_eos": True},
-    )
-    assert three.usage.completion_tokens == 12
+    """Counts what this test sends: metrics are cumulative across the module and
+    exported on an interval, so the figures are differences once the totals settle."""
     app = f'app="{APP}"'
-    expected = {
-        # The refusals: Generate and GenerateUnary, without a key and with a wrong one.
-        ("ray_baton_requests_total", 'api="grpc"', 'status="unauthenticated"'): 4,
-        ("ray_baton_requests_total", 'api="grpc"', 'status="ok"'): 2,
-        # The wrong key's completion and the bare POST.
-        ("ray_baton_requests_total", 'api="http"', 'status="unauthenticated"'): 2,
-        # The chat completion, and the n=3 completion once.
-        ("ray_baton_requests_total", 'api="http"', 'status="ok"'): 2,
-        # 2 chat tokens, then every choice's 4.
-        ("ray_baton_generation_tokens_total", 'api="http"', ""): 2 + 12,
-    }
+    series = [
+        ("ray_baton_requests_total", 'api="grpc"', 'status="unauthenticated"'),
+        ("ray_baton_requests_total", 'api="http"', 'status="unauthenticated"'),
+        ("ray_baton_requests_total", 'api="http"', 'status="ok"'),
+        ("ray_baton_generation_tokens_total", 'api="http"', ""),
+    ]
 
     def totals() -> dict:
         samples = _scrape(ray_metrics_port)
@@ -171,12 +159,46 @@ def test_the_router_counts_client_requests_not_choices(keyed, ray_metrics_port):
                 for labels, v in samples.get(name, [])
                 if app in labels and api in labels and status in labels
             )
-            for name, api, status in expected
+            for name, api, status in series
         }
 
+    # Settled: the same over two scrapes past Ray's export interval.
+    before, deadline = totals(), time.monotonic() + 60
+    while True:
+        time.sleep(6)
+        if (now := totals()) == before:
+            break
+        assert time.monotonic() < deadline, "the metrics never settled"
+        before = now
+    client = openai.OpenAI(base_url=f"{keyed['http']}/v1", api_key=KEYS[0])
+    three = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt="Hi",
+        max_tokens=4,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert three.usage.completion_tokens == 12
+    wrong = openai.OpenAI(base_url=f"{keyed['http']}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=1)
+    with (
+        BatonClient(keyed["grpc"], application=APP) as anonymous,
+        pytest.raises(grpc.RpcError),
+    ):
+        anonymous.generate_unary(generate_request("Hi", max_tokens=1))
+    added = {
+        # The n=3 completion once, with every choice's tokens.
+        series[2]: 1,
+        series[3]: 12,
+        # The wrong key's completion and the keyless gRPC call.
+        series[1]: 1,
+        series[0]: 1,
+    }
+    expected = {k: before[k] + added[k] for k in series}
     deadline = time.monotonic() + 60  # Ray exports on an interval
     while (found := totals()) != expected:
-        assert time.monotonic() < deadline, found
+        assert time.monotonic() < deadline, (found, expected)
         time.sleep(2)
 
 
