@@ -9,7 +9,7 @@ every pool.
 
 The service is conftest.py's module-scoped `service` fixture (with its `disagg` and `agg`
 clients): one deployment for all of this module's tests, which run in file order and rely
-on it (the metrics test counts the bad-input tests' requests; the last test sees them all).
+on it (the last test sees every request of the module).
 """
 
 from __future__ import annotations
@@ -464,6 +464,9 @@ def test_scaling_prefill_during_traffic_fails_nothing_and_the_new_replica_serves
 
 def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
     disagg.generate_unary(_greedy("Metrics, please.", max_tokens=4))
+    with pytest.raises(grpc.RpcError) as err:  # counted as invalid
+        disagg.generate_unary(generate_request("Metrics, please.", temperature=-1.0))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     wanted = {
         "ray_baton_time_to_first_token_seconds_count",
         "ray_baton_inter_token_latency_seconds_count",
@@ -476,19 +479,26 @@ def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
         "ray_baton_kv_handoff_seconds_count",
         "ray_baton_speculative_acceptance_ratio",  # the decode pool speculates (conftest)
     }
-    deadline = time.monotonic() + 60  # Ray exports on an interval
-    while not wanted <= set(samples := _scrape(ray_metrics_port)):
-        assert time.monotonic() < deadline, f"missing: {sorted(wanted - set(samples))}"
-        time.sleep(2)
+    samples: dict = {}
 
     def total(name: str, label: str = "") -> float:
         # This app's series only: earlier modules' apps record the same names in this Ray.
         ours = [(labels, v) for labels, v in samples.get(name, []) if 'app="disagg"' in labels]
         return sum(v for labels, v in ours if label in labels)
 
+    def exported() -> bool:  # this test's own requests, whatever ran before it
+        return (
+            wanted <= set(samples)
+            and total("ray_baton_requests_total", 'status="ok"') >= 1
+            and total("ray_baton_requests_total", 'status="invalid"') >= 1
+        )
+
+    deadline = time.monotonic() + 60  # Ray exports on an interval
+    while not exported():
+        assert time.monotonic() < deadline, f"missing: {sorted(wanted - set(samples))}"
+        time.sleep(2)
+        samples = _scrape(ray_metrics_port)
     assert total("ray_baton_time_to_first_token_seconds_count") >= 1
-    assert total("ray_baton_requests_total", 'status="ok"') >= 1
-    assert total("ray_baton_requests_total", 'status="invalid"') >= 1  # the bad-input tests
     assert total("ray_baton_kv_handoff_bytes_total") > 0
     # Every handoff of this module succeeded: nothing was silently recomputed.
     recomputed = total("ray_baton_handoff_recomputed_prompt_tokens_total")
