@@ -21,6 +21,7 @@ from pydantic import (
 
 from serve_app.status_board import DEFAULT_BOARD_NAME
 from workers.engine.config import EngineConfig, SpeculativeConfig
+from workers.engine.scheduler import SchedulerConfig
 from workers.model.config import ModelConfig
 
 # How prefill's KV blocks reach decode (workers/engine/kv_transport.py): "nixl" (Ray
@@ -125,12 +126,7 @@ class PoolConfig(_Frozen):
 
     @model_validator(mode="after")
     def _budget_per_step(self) -> PoolConfig:
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs}): each running sequence takes a token "
-                "of a step's budget; raise it or lower max_num_seqs"
-            )
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # the engine's rule
         return self
 
 
