@@ -111,6 +111,10 @@ class DecodeHandoff:
             lambda e: e.cached_prefix_blocks(list(request.block_hashes), prompt, request.cache_salt)
         )
         uncached = len(prompt) - have * self.block_size
+        if request.params.prompt_logprobs is not None:
+            # Computed whole wherever it runs (a cached position has no logits); only the
+            # transfer skips the blocks held here.
+            uncached = len(prompt)
         reserved = _Reservation(self.budget)
         try:
             remote = not self.prefills_here(uncached)

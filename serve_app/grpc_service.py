@@ -68,6 +68,7 @@ def params_from_proto(request: pb.GenerateRequest, room: int) -> SamplingParams:
         stop_token_ids=tuple(request.stop_token_ids),
         stop=tuple(request.stop),
         logprobs=opt("logprobs", None),
+        prompt_logprobs=opt("prompt_logprobs", None),
         skip_special_tokens=opt("skip_special_tokens", True),
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
@@ -97,6 +98,8 @@ def response_from_outputs(request_id: str, outputs: list[RequestOutput]) -> pb.G
         logprobs=[_logprob_to_proto(lp) for o in outputs for lp in o.new_logprobs],
         finish_reason=FINISH_REASONS[last.finish_reason],
     )
+    if outputs[0].prompt_logprobs is not None:
+        response.prompt_logprobs.extend(_logprob_to_proto(lp) for lp in outputs[0].prompt_logprobs)
     if last.finished:
         response.usage.CopyFrom(
             pb.Usage(

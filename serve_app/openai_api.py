@@ -135,7 +135,7 @@ class _Request(_Body):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            check_unsupported(data)
+            check_unsupported(data, served=cls.model_fields)
             _check_sizes(data)
         return data
 
@@ -216,6 +216,9 @@ class CompletionRequest(_Request):
     # One prompt: text, token ids, or either as a batch of one (as lm-eval and others send).
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    # The prompt before the completion, in the text and, with logprobs, in the logprobs
+    # (its tokens' own: what scoring a text by its likelihood takes, as lm-eval does).
+    echo: bool = False
 
     def prompt_input(self) -> PromptInput:
         if isinstance(self.prompt, str):
@@ -241,7 +244,10 @@ class CompletionRequest(_Request):
         if max_tokens is None:
             default = max(DEFAULT_COMPLETION_MAX_TOKENS, self.min_tokens)
             max_tokens = min(default, default_budget_room(room, self.min_tokens))
-        return self._params(max_tokens, self.logprobs)
+        params = self._params(max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            return replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class ChatMessage(_Body):
@@ -322,6 +328,10 @@ class ChatCompletionRequest(_Request):
             max_tokens = default_budget_room(room, self.min_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs)
+
+
+# Either endpoint's request, as parsed.
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

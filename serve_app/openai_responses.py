@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -59,6 +60,18 @@ def usage(lasts: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion request's prompt, to echo before its choices' text (`echo`)."""
+
+    text: str
+    token_ids: list[int]
+
+
+# A completion logprobs entry: a token and its logprob (None: an echoed first token).
+_Entry = tuple[int, "TokenLogprob | None"]
+
+
 class ResponseBuilder:
     """Builds one request's completion object, or its stream of chunks."""
 
@@ -69,8 +82,10 @@ class ResponseBuilder:
         model: str,
         decode_token: Callable[[int], str],
         token_bytes: Callable[[int], bytes],
+        echo: Echo | None = None,
     ):
         self.chat = chat
+        self.echo = echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
@@ -83,8 +98,19 @@ class ResponseBuilder:
         self._text_offsets: dict[int, int] = {}
         self._opened: set[int] = set()
 
-    def _logprobs(self, lps: list[TokenLogprob], index: int) -> Any:
-        if not lps:
+    def _echoed(self, out: RequestOutput, index: int) -> tuple[str, list[_Entry]]:
+        """The prompt's text and logprob entries that go before choice `index`'s text:
+        with echo, in its first output (the one that carries the prompt logprobs)."""
+        if self.echo is None or index in self._opened:
+            return "", []
+        self._opened.add(index)
+        if out.prompt_logprobs is None:
+            return self.echo.text, []
+        first = (self.echo.token_ids[0], None)  # no context before it: no logprob
+        return self.echo.text, [first, *((lp.token_id, lp) for lp in out.prompt_logprobs)]
+
+    def _logprobs(self, lps: list[TokenLogprob], index: int, prompt: list[_Entry] = ()) -> Any:
+        if not lps and not prompt:
             return None
         if self.chat:
             return {
@@ -105,7 +131,8 @@ class ResponseBuilder:
                     for lp in lps
                 ]
             }
-        tokens = [self.decode_token(lp.token_id) for lp in lps]
+        entries = [*prompt, *((lp.token_id, lp) for lp in lps)]
+        tokens = [self.decode_token(token) for token, _ in entries]
         offsets = []
         offset = self._text_offsets.get(index, 0)
         for token in tokens:  # as vLLM counts them: each token's own text, in turn
@@ -114,14 +141,17 @@ class ResponseBuilder:
         self._text_offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
+            "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
             # The sampled token is always among them, as in OpenAI's and vLLM's (so up to
             # logprobs + 1 entries when it was not among the most likely). Keys are text,
             # which distinct tokens can share (partial UTF-8 all reads "\ufffd"): the
-            # sampled token's own logprob wins, as token_logprobs gives it.
+            # sampled token's own logprob wins, as token_logprobs gives it. An echoed
+            # prompt's first token has none (null), as in OpenAI's.
             "top_logprobs": [
                 {self.decode_token(t): v for t, v in lp.top} | {tokens[i]: lp.logprob}
-                for i, lp in enumerate(lps)
+                if lp
+                else None
+                for i, (_, lp) in enumerate(entries)
             ],
             "text_offset": offsets,
         }
@@ -133,8 +163,9 @@ class ResponseBuilder:
         """The completion object; `choices[i]`: every output of choice i, in order."""
         body = []
         for index, outputs in enumerate(choices):
-            text = "".join(o.new_text for o in outputs)
-            lps = self._logprobs([lp for o in outputs for lp in o.new_logprobs], index)
+            echoed, prompt = self._echoed(outputs[0], index)
+            text = echoed + "".join(o.new_text for o in outputs)
+            lps = self._logprobs([lp for o in outputs for lp in o.new_logprobs], index, prompt)
             choice: dict[str, Any] = {
                 "index": index,
                 "logprobs": lps,
@@ -158,9 +189,10 @@ class ResponseBuilder:
         """One SSE event for an output of choice `index`; a chat choice's first one also
         carries the assistant role. With `include_usage` it says `"usage": null`, as
         OpenAI's chunks before the usage chunk do."""
+        echoed, prompt = self._echoed(out, index)
         choice: dict[str, Any] = {
             "index": index,
-            "logprobs": self._logprobs(out.new_logprobs, index),
+            "logprobs": self._logprobs(out.new_logprobs, index, prompt),
             "finish_reason": self._finish(out),
         }
         if self.chat:
@@ -169,7 +201,7 @@ class ResponseBuilder:
                 self._opened.add(index)
                 choice["delta"] = {"role": "assistant", **choice["delta"]}
         else:
-            choice["text"] = out.new_text
+            choice["text"] = echoed + out.new_text
         return self._event({"choices": [choice], **({"usage": None} if include_usage else {})})
 
     def usage_chunk(self, lasts: list[RequestOutput]) -> str:

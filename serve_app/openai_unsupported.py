@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Collection
 from typing import Any
 
 from workers.engine.errors import InvalidRequestError
@@ -20,7 +21,7 @@ _TOOLS = "tool calling is not supported"
 # effect. parallel_tool_calls is not here: it only matters with tools, which are refused.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "one candidate per request"),
-    "echo": ((False,), "the prompt is not echoed back"),
+    "echo": ((False,), "the prompt is echoed by /v1/completions only"),
     "suffix": (("",), "insertion (suffix) is not supported"),
     "tools": (([],), _TOOLS),
     "tool_choice": (("none",), _TOOLS),
@@ -54,9 +55,12 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-def check_unsupported(body: dict[str, Any]) -> None:
-    """InvalidRequestError naming the first field of `body` set to what Baton cannot do."""
+def check_unsupported(body: dict[str, Any], served: Collection[str] = ()) -> None:
+    """InvalidRequestError naming the first field of `body` set to what Baton cannot do;
+    `served`: the fields the endpoint at hand does offer."""
     for name, (neutral, why) in UNSUPPORTED.items():
+        if name in served:
+            continue
         value = body.get(name)
         # True == 1 in Python; a boolean is never an accepted number here.
         if value is None or any(

@@ -39,6 +39,7 @@ from serve_app.grpc_service import (
 from serve_app.grpc_servicer import MalformedRequest, decoded
 from serve_app.metrics import RouterMetrics
 from serve_app.openai_responses import (
+    Echo,
     ResponseBuilder,
     error_body,
     http_error,
@@ -348,6 +349,7 @@ class Router(HealthService):
             self.served_model_name,
             self._token_text,
             self.frontend.tokenizer.token_bytes,
+            self._echo(req, ids),
         )
         outputs = self.metrics.request(
             "http",
@@ -373,6 +375,15 @@ class Router(HealthService):
         return StreamingResponse(
             sse_events(builder, first, outputs, req.include_usage()), media_type="text/event-stream"
         )
+
+    def _echo(self, req: openai_api.OpenAIRequest, ids: list[int]) -> Echo | None:
+        """A completion's prompt to echo: its text as sent, or its token ids' text."""
+        if not (isinstance(req, openai_api.CompletionRequest) and req.echo):
+            return None
+        text = req.prompt_input().text
+        if text is None:
+            text = self.frontend.tokenizer.decode(ids, skip_special_tokens=False)
+        return Echo(text, ids)
 
     def _token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)

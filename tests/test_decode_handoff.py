@@ -104,6 +104,23 @@ def test_decode_prefills_itself_only_when_short_or_the_pool_is_busy(
         asyncio.run(engine.shutdown())
 
 
+def test_a_prompt_whose_logprobs_are_asked_counts_as_uncached_whole(model_dir):
+    engine = AsyncEngine(_engine(model_dir))
+    handoff = _handoff(engine, None, local_prefill_tokens=64)
+
+    async def main():
+        request = _request(engine, PROMPT)
+        await _tokens(handoff.generate(request))  # caches PROMPT's 2 full blocks
+        await _tokens(handoff.generate(replace(request, request_id="again")))
+        assert handoff.stats.local_prefill_tokens == 40 + 8
+        asked = replace(GREEDY, prompt_logprobs=0)
+        await _tokens(handoff.generate(replace(request, request_id="asked", params=asked)))
+        assert handoff.stats.local_prefill_tokens == 40 + 8 + 40
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_failed_prefill_call_is_recomputed_on_decode_with_the_same_output(model_dir):
     recomputed = []
 

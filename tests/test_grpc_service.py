@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -33,11 +34,17 @@ def test_unset_optional_fields_take_the_defaults_and_set_ones_are_kept():
     params = params_from_proto(pb.GenerateRequest(text="x"), room=1000)
     assert (params.max_tokens, params.temperature, params.top_p) == (DEFAULT_MAX_TOKENS, 1.0, 1.0)
     assert params.seed is None and params.logprobs is None and params.skip_special_tokens
+    assert params.prompt_logprobs is None
     request = pb.GenerateRequest(
         text="x", max_tokens=7, temperature=0.0, seed=3, logprobs=2, stop=["\n"], top_k=5
     )
     params = params_from_proto(request, room=1000)
     assert (params.max_tokens, params.temperature, params.seed, params.logprobs) == (7, 0.0, 3, 2)
+    assert (
+        params_from_proto(pb.GenerateRequest(text="x", prompt_logprobs=0), 9).prompt_logprobs == 0
+    )
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
+        params_from_proto(pb.GenerateRequest(text="x", prompt_logprobs=21), room=9)
     assert params.stop == ("\n",) and params.top_k == 5
 
 
@@ -121,6 +128,11 @@ def test_outputs_merge_into_one_response_with_usage_at_the_end():
     assert response.usage.cached_prompt_tokens == 1
     assert [t.token_id for t in response.logprobs[0].top_logprobs] == [5, 6]
     assert not response_from_outputs("r", outs[:1]).HasField("usage")
+    assert not response.prompt_logprobs  # not asked for
+    asked = [replace(outs[0], prompt_logprobs=[TokenLogprob(9, -3.0, ((4, -0.1),))]), outs[1]]
+    (prompt_lp,) = response_from_outputs("r", asked).prompt_logprobs
+    assert (prompt_lp.token_id, prompt_lp.logprob) == (9, -3.0)
+    assert [(t.token_id, t.logprob) for t in prompt_lp.top_logprobs] == [(4, pytest.approx(-0.1))]
 
 
 def _wrapped(exc: BaseException) -> RayTaskError:

@@ -11,6 +11,7 @@ from serve_app import openai_api
 from serve_app.api_keys import Unauthenticated
 from serve_app.openai_responses import (
     DONE_EVENT,
+    Echo,
     ResponseBuilder,
     http_error,
     sse_events,
@@ -62,6 +63,40 @@ def test_completion_top_logprobs_always_hold_the_sampled_token():
     # Two tokens of one text (partial UTF-8): the sampled one's logprob is the one shown.
     same_text = ResponseBuilder(False, "r", "m", lambda t: "\ufffd", bytes).complete([outs])
     assert same_text["choices"][0]["logprobs"]["top_logprobs"][0] == {"\ufffd": -1.5}
+
+
+def _echoed_outputs() -> list[RequestOutput]:
+    # Prompt tokens 5, 6 ("ab"), asked with echo and logprobs=1: 6's logprob comes first.
+    prompt_lps = [TokenLogprob(6, -2.0, ((9, -0.1),))]
+    lp = TokenLogprob(7, -0.25, ((7, -0.25),))
+    return [
+        RequestOutput("r", [7], "H", [lp], prompt_logprobs=prompt_lps),
+        RequestOutput("r", [8], "i", [lp], True, FinishReason.LENGTH, 2, 2, 0),
+    ]
+
+
+def test_an_echoed_completion_starts_with_the_prompt_and_its_logprobs():
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6]))
+    (choice,) = builder.complete([_echoed_outputs()])["choices"]
+    assert choice["text"] == "abHi"
+    lps = choice["logprobs"]
+    assert lps["tokens"] == ["<5>", "<6>", "<7>", "<7>"]
+    # The first prompt token has no context, so no logprob (null, as in OpenAI's).
+    assert lps["token_logprobs"] == [None, -2.0, -0.25, -0.25]
+    assert lps["top_logprobs"][:2] == [None, {"<9>": -0.1, "<6>": -2.0}]
+    assert lps["text_offset"] == [0, 3, 6, 9]
+
+
+def test_an_echoed_stream_sends_the_prompt_once_per_choice_in_its_first_chunk():
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6]))
+    first, second = (_body(builder.chunk(o))["choices"][0] for o in _echoed_outputs())
+    assert (first["text"], second["text"]) == ("abH", "i")
+    assert first["logprobs"]["token_logprobs"] == [None, -2.0, -0.25]
+    assert second["logprobs"]["text_offset"] == [9]
+    # Without logprobs asked, the text alone.
+    plain = ResponseBuilder(False, "r", "m", str, bytes, Echo("ab", [5, 6]))
+    assert _body(plain.chunk(RequestOutput("r", [7], "H")))["choices"][0]["text"] == "abH"
+    assert _body(plain.chunk(RequestOutput("r", [7], "H"), index=1))["choices"][0]["text"] == "abH"
 
 
 def test_n_choices_each_have_their_index_and_count_the_prompt_once():

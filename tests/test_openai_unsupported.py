@@ -23,7 +23,7 @@ def _completion(**fields):
     ("model", "field", "value", "accepted"),
     [
         (CompletionRequest, "best_of", 3, "accepted: 1"),
-        (CompletionRequest, "echo", True, "accepted: false"),
+        (ChatCompletionRequest, "echo", True, "accepted: false"),
         (CompletionRequest, "suffix", "end", 'accepted: ""'),
         (ChatCompletionRequest, "tools", [{"type": "function"}], "accepted: []"),
         (ChatCompletionRequest, "tool_choice", "auto", 'accepted: "none"'),
@@ -54,8 +54,15 @@ def test_unsupported_settings_are_refused_not_ignored(model, field, value, accep
     assert str(err.value).startswith(f"{field}: ") and accepted in str(err.value)
 
 
-@pytest.mark.parametrize("field", sorted(UNSUPPORTED))
-@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+@pytest.mark.parametrize(
+    ("model", "field"),
+    [
+        (model, field)
+        for model in (ChatCompletionRequest, CompletionRequest)
+        for field in sorted(UNSUPPORTED)
+        if field not in model.model_fields  # what an endpoint serves (completions' echo)
+    ],
+)
 def test_every_unsupported_field_is_refused_naming_itself(model, field):
     body = (_chat if model is ChatCompletionRequest else _completion)(**{field: {"x": 1}})
     with pytest.raises(InvalidRequestError) as err:
@@ -70,6 +77,19 @@ def test_the_neutral_values_of_unsupported_fields_are_accepted(field):
     for value in UNSUPPORTED[field][0]:
         parse(ChatCompletionRequest, _chat(**{field: value}))  # raises if refused
         parse(CompletionRequest, _completion(**{field: value}))
+
+
+def test_completions_echo_the_prompt_and_ask_for_its_logprobs_with_logprobs():
+    assert "echo" in UNSUPPORTED and "echo" not in ChatCompletionRequest.model_fields
+    echo = parse(CompletionRequest, _completion(echo=True, logprobs=2))
+    assert echo.sampling_params(room=50).prompt_logprobs == 2
+    assert (
+        parse(CompletionRequest, _completion(echo=True)).sampling_params(50).prompt_logprobs is None
+    )
+    assert (
+        parse(CompletionRequest, _completion(logprobs=2)).sampling_params(50).prompt_logprobs
+        is None
+    )
 
 
 def test_parallel_tool_calls_are_accepted_as_tools_are_refused_anyway():

@@ -239,6 +239,44 @@ def test_openai_client_completions_and_chat(service, agg):
     assert list(streamed.values()) == [c.text for c in two.choices]
 
 
+def test_prompt_logprobs_and_an_echoed_prompt(service, disagg, agg, smollm2_dir):
+    # Handed over with the KV from prefill's TP 3 ranks in "disagg", computed in place in
+    # "agg": the in-process engine's values either way, the prefix cache not used.
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), kv_cache_bytes=KV))
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    engine.add_request("p", ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    (want,) = engine.step()
+    for client in (disagg, agg, disagg):  # the second "disagg" call finds a cached prefix
+        (first, *rest) = client.generate(_greedy(ids, max_tokens=3, prompt_logprobs=2))
+        got = first.prompt_logprobs
+        assert [lp.token_id for lp in got] == ids[1:] and not any(m.prompt_logprobs for m in rest)
+        assert [lp.logprob for lp in got] == pytest.approx(
+            [lp.logprob for lp in want.prompt_logprobs], abs=1e-3
+        )
+        assert [[t.token_id for t in lp.top_logprobs] for lp in got] == [
+            [t for t, _ in lp.top] for lp in want.prompt_logprobs
+        ]
+        assert rest[-1].usage.cached_prompt_tokens == 0
+    # OpenAI's echo: the prompt, then the completion; in logprobs, the prompt's tokens
+    # (the first with none) and the completion's.
+    client = openai.OpenAI(base_url=f"{service['http']}/agg/v1", api_key="unused")
+    (model,) = [m.id for m in client.models.list()]
+    args = {"model": model, "prompt": PROMPTS[2], "max_tokens": 2, "temperature": 0}
+    (choice,) = client.completions.create(echo=True, logprobs=1, **args).choices
+    plain = client.completions.create(**args).choices[0].text
+    assert choice.text == PROMPTS[2] + plain
+    token_logprobs = choice.logprobs.token_logprobs
+    assert len(token_logprobs) == len(ids) + 2 and token_logprobs[0] is None
+    assert token_logprobs[1 : len(ids)] == pytest.approx(
+        [lp.logprob for lp in want.prompt_logprobs], abs=1e-3
+    )
+    streamed = client.completions.create(echo=True, stream=True, **args)
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    # A prompt of token ids echoes as their text.
+    by_ids = client.completions.create(echo=True, **{**args, "prompt": ids}).choices[0].text
+    assert by_ids == engine.tokenizer.decode(ids, skip_special_tokens=False) + plain
+
+
 def test_sixteen_concurrent_streams_all_complete(disagg):
     # One request first: the router then subscribes to the decode replica's outputs, and
     # the sixteen share that subscription (output_mux.py).

@@ -96,6 +96,18 @@ def test_last_position_logits_match_transformers(smollm2_dir, prompts, smollm2_r
         assert (ours - expected).abs().max().item() < 1e-3
 
 
+def test_prompt_logprobs_match_transformers(engine, prompts, smollm2_reference):
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    for prompt in prompts[:3] + prompts[-1:]:  # plain, chat and the long prompt
+        engine.add_request("prompt-logprobs", prompt, params)
+        (out,) = [o for o in engine.step() if o.request_id == "prompt-logprobs"]
+        with torch.inference_mode():
+            expected = smollm2_reference(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+        got = torch.tensor([lp.logprob for lp in out.prompt_logprobs])
+        assert (got - expected[torch.arange(len(prompt) - 1), prompt[1:]]).abs().max() < 1e-3
+        assert [lp.top[0][0] for lp in out.prompt_logprobs] == expected.argmax(-1).tolist()
+
+
 def test_batch_and_chunked_prefill_match_single_requests(smollm2_dir, engine, prompts):
     sixteen = (prompts * 2)[:16]
     sixteen = [p[: 8 + 7 * i] if i >= len(prompts) else p for i, p in enumerate(sixteen)]

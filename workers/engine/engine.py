@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from workers.engine.block_hash import BlockHash
 from workers.engine.config import EngineConfig, kv_cache_bytes_per_block
+from workers.engine.engine_kv_handoff import KVHandoffAPI
 from workers.engine.errors import InvalidRequestError
 from workers.engine.handoff import HeldHandoffs, KVImports
 from workers.engine.kv_cache_manager import KVCacheManager, KVEventCallback
@@ -22,6 +22,7 @@ from workers.engine.kv_transfer import KVHandle, KVLayout
 from workers.engine.kv_transport import KVPart
 from workers.engine.model_runner import ModelRunner, RunnerSpec, SeqChunk, StepInput
 from workers.engine.outputs import EngineStats, RequestOutput, merge_outputs
+from workers.engine.prompt_logprobs import take_prompt_logprobs, wants_all_logits
 from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_request
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
@@ -32,7 +33,7 @@ from workers.torch_threads import use_num_threads
 from workers.tp.group import TPWorkerGroup
 
 
-class LLMEngine:
+class LLMEngine(KVHandoffAPI):
     def __init__(
         self,
         config: EngineConfig,
@@ -191,7 +192,11 @@ class LLMEngine:
             self.kv.flush_events()
             return outputs
         sampling = [s for s in scheduled if s.samples]
-        logits = self.runner.execute(StepInput([self._chunk(s) for s in scheduled]))
+        chunks = [self._chunk(s) for s in scheduled]
+        logits = self.runner.execute(StepInput(chunks))
+        if any(c.all_logits for c in chunks):
+            pairs = [(s.seq, c) for s, c in zip(scheduled, chunks, strict=True)]
+            logits = take_prompt_logprobs(pairs, logits)
         for s in scheduled:
             # Drafts count as computed only once accepted (_accept).
             s.seq.num_computed_tokens += s.num_own_tokens
@@ -247,6 +252,7 @@ class LLMEngine:
             s.seq.block_table,
             s.samples,
             len(s.draft_token_ids),
+            all_logits=wants_all_logits(s.seq, start, s.num_own_tokens),
         )
 
     def _append_token(
@@ -274,34 +280,14 @@ class LLMEngine:
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
             handoff=handoff,
+            prompt_logprobs=(
+                list(seq.prompt_logprobs)
+                if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1
+                else None
+            ),
         )
 
-    # -- KV handoff (the protocol: handoff.py) --------------------------------
-
-    def export_kv(
-        self,
-        request_id: str,
-        skip_blocks: int = 0,
-        dst_tp: int | None = None,
-        transport: str | None = None,
-    ) -> tuple[KVHandle, list[KVPart]]:
-        """Prefill side: a held handoff's handle and its blocks from `skip_blocks` on, one
-        part per TP rank in rank order (KVBlocks, or KVRef under a direct transport, cut
-        so that each rank of an importer of TP degree `dst_tp` fetches only its heads),
-        by `transport` if given, else the engine's; callable again until released."""
-        return self.handoffs.export(request_id, skip_blocks, dst_tp, transport)
-
-    def release_handoff(self, request_id: str, handle: KVHandle | None = None) -> bool:
-        """Prefill side: frees a handoff's blocks once decode has them; False if unknown.
-        With `handle`, only if the held handoff is that one (an id may be used again)."""
-        return self.handoffs.release(request_id, handle)
-
-    def cached_prefix_blocks(
-        self, block_hashes: list[BlockHash], token_ids: list[int], cache_salt: str | None = None
-    ) -> int:
-        """Decode side: how many of these leading full blocks this engine's prefix cache
-        holds now (a hint for `export_kv`'s `skip_blocks`; nothing is reserved)."""
-        return len(self.kv.cached_blocks(list(block_hashes), list(token_ids), cache_salt))
+    # -- KV handoff: the decode side (the rest: engine_kv_handoff.py) -----------
 
     def add_prefilled_request(
         self,
@@ -326,18 +312,6 @@ class LLMEngine:
             self.runner.release_prefetched(kv_parts)  # prefetch_kv's pulls will not be used
             raise
         self._requests[request_id] = seq
-
-    def prefetch_kv(self, kv_parts: list[KVPart]) -> list[KVPart]:
-        """Decode side, callable from any thread while steps run: moves a handoff's blocks
-        to where this engine's ranks will import them (under a direct transport each rank
-        pulls its own KV heads) and returns the parts to pass to `add_prefilled_request`.
-        Raises KVTransferError, leaving nothing behind, if the transfer fails."""
-        return self.runner.prefetch(kv_parts)
-
-    def release_prefetched_kv(self, kv_parts: list[KVPart]) -> None:
-        """Frees what `prefetch_kv` moved for a handoff that will not be added (any
-        thread; a no-op when nothing is held). Aborting an added request frees it too."""
-        self.runner.release_prefetched(kv_parts)
 
     def resend_cached_blocks(self) -> None:
         """Any thread: the next step's `on_kv_events` reports every block the prefix cache
@@ -372,6 +346,7 @@ class LLMEngine:
 
     def _first_token(self, seq: Sequence, handle: KVHandle, now: float) -> None:
         """An imported request's first token, sampled by the engine that prefilled it."""
+        seq.prompt_logprobs = list(handle.prompt_logprobs)
         self._outbox.append(self._append_token(seq, handle.first_token, handle.first_logprob, now))
 
     # -- convenience ---------------------------------------------------------

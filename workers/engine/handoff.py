@@ -118,6 +118,7 @@ class HeldHandoffs:
             block_hashes=tuple(self.kv.block_hashes(seq, seq.num_prompt_tokens // bs)),
             first_token=seq.output_token_ids[0],
             first_logprob=seq.output_logprobs[0] if seq.output_logprobs else None,
+            prompt_logprobs=tuple(seq.prompt_logprobs),
             generator_state=(
                 seq.generator.get_state().numpy().tobytes() if seq.generator else None
             ),

@@ -54,13 +54,16 @@ class KVCacheManager:
         """Attaches the longest cached run of `seq`'s leading full blocks; returns its tokens.
 
         The run stops short of the last known token, so the step that follows still
-        computes at least one token and so yields logits. `seq.num_computed_tokens`
+        computes at least one token and so yields logits, and short of the positions
+        whose prompt logprobs are still due. `seq.num_computed_tokens`
         becomes the returned count.
         """
         if not self.enable_prefix_caching:
             self.attach(seq, [])
             return 0
         usable = (seq.num_tokens - 1) // self.block_size
+        if seq.num_prompt_logprobs_due:  # positions whose logprobs are due must be computed
+            usable = min(usable, len(seq.prompt_logprobs) // self.block_size)
         hashes = self.block_hashes(seq, usable)
         self.attach(
             seq,

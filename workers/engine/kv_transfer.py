@@ -119,6 +119,8 @@ class KVHandle:
     block_hashes: tuple[BlockHash, ...]
     first_token: int
     first_logprob: TokenLogprob | None = None
+    # The prompt's logprobs, if the request asked (prompt_logprobs.py).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     # A seeded request's generator after drawing the first token, so decode
     # continues the same random stream a single engine would have.
     generator_state: bytes | None = None

@@ -29,6 +29,9 @@ class SeqChunk:
     # Speculated tokens ending the chunk; a sampling chunk then yields logits at each of
     # them and at the token before them.
     num_drafts: int = 0
+    # Logits at every position of the chunk (prompt logprobs), the last one being the
+    # sample's when the chunk samples.
+    all_logits: bool = False
 
 
 @dataclass
@@ -98,13 +101,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Runs the step; returns logits in chunk order: one row per sampling chunk, plus
-        one per draft it ends with."""
+        one per draft it ends with, or one per token of an `all_logits` chunk."""
         decodes = [i for i, c in enumerate(step.chunks) if len(c.token_ids) == 1]
         prefills = [i for i, c in enumerate(step.chunks) if len(c.token_ids) > 1]
         token_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[torch.Tensor] = []
         last_row: dict[int, int] = {}  # chunk index -> row of its last token
+        first_row: dict[int, int] = {}  # and of its first
         meta = AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long), block_size=self.block_size
         )
@@ -114,7 +118,7 @@ class ModelRunner:
             for row, (i, c) in enumerate(zip(decodes, chunks, strict=True)):
                 token_ids.append(c.token_ids[0])
                 positions.append(c.start_pos)
-                last_row[i] = row
+                first_row[i] = last_row[i] = row
             tables, lengths = self._decode_context(chunks)
             pos = torch.tensor(positions)
             rows = torch.arange(len(chunks))
@@ -136,7 +140,7 @@ class ModelRunner:
                 meta.prefills.append(PrefillChunk(start, n))
             else:
                 meta.prefills.append(PrefillChunk.with_context(start, n, slots.to(self.device)))
-            last_row[i] = start + n - 1
+            first_row[i], last_row[i] = start, start + n - 1
 
         meta.slot_mapping = torch.cat(slot_mapping).to(self.device)
         hidden = self.model(
@@ -147,8 +151,10 @@ class ModelRunner:
         rows = [
             row
             for i, c in enumerate(step.chunks)
-            if c.sample
-            for row in range(last_row[i] - c.num_drafts, last_row[i] + 1)
+            if c.sample or c.all_logits
+            for row in range(
+                first_row[i] if c.all_logits else last_row[i] - c.num_drafts, last_row[i] + 1
+            )
         ]
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         # The sampler runs on the host with host generators, as for a TP group's logits.

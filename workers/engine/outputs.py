@@ -25,16 +25,21 @@ class RequestOutput:
     # Set when a prefill-only request stops for a KV handoff (finished, with no
     # finish_reason: the request goes on at a decode engine); the K/V: `export_kv`.
     handoff: KVHandle | None = None
+    # On a request's first output, if it asked (SamplingParams.prompt_logprobs): prompt
+    # token i + 1's logprob at index i.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one: their tokens, text and logprobs in
-    order, the last one's state (finished, finish reason, counts, handoff)."""
+    order, the first one's prompt logprobs, the last one's state (finished, finish reason,
+    counts, handoff)."""
     return replace(
         outputs[-1],
         new_token_ids=[t for o in outputs for t in o.new_token_ids],
         new_text="".join(o.new_text for o in outputs),
         new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
+        prompt_logprobs=outputs[0].prompt_logprobs,
     )
 
 

@@ -43,6 +43,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top-n alternatives returned with each sampled token
+    # The prompt's own tokens' logprobs (from the second on), each with this many top
+    # alternatives, in the first output; None: none. Such a prompt is computed whole:
+    # a cached prefix has no logits to give.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Subtracted from a token's logit once if it was generated before (presence) and
     # per time it was (frequency): OpenAI's penalties, on the output so far.
@@ -77,7 +81,7 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} must be true or false, got {getattr(self, name)!r}", param=name
                 )
-        for name in ("max_tokens", "top_k", "seed", "logprobs", "min_tokens"):
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens"):
             if isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(
                     f"{name} must be an integer, got {getattr(self, name)!r}", param=name
@@ -137,13 +141,13 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"seed must be an integer in [0, 2**63), got {self.seed!r}", param="seed"
             )
-        if self.logprobs is not None and not (
-            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidRequestError(
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
-                param="logprobs",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+                    param=name,
+                )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError(
                 f"stop must be a list of non-empty strings, got {list(self.stop)!r}", param="stop"

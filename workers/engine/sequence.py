@@ -39,6 +39,9 @@ class Sequence:
     prefill_only: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With params.prompt_logprobs: entry i is prompt token i + 1's, from the logits at
+    # position i (the first token has none).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     # Tokens (prompt and output alike) whose K/V are in the cache.
@@ -98,6 +101,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_prompt_logprobs_due(self) -> int:
+        """Prompt logprobs still to compute: positions from len(prompt_logprobs) on must
+        then be computed, not taken from the prefix cache, and yield their logits."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        return max(0, self.num_prompt_tokens - 1 - len(self.prompt_logprobs))
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""
