@@ -13,7 +13,7 @@ import grpc
 
 from serve_app.grpc_api import baton_pb2 as pb
 from serve_app.grpc_api import baton_pb2_grpc as pb_grpc
-from serve_app.serve_config import APP_NAME, GRPC_PORT
+from serve_app.serve_config import APP_NAME, GRPC_PORT, MAX_REQUEST_BYTES
 
 
 def generate_request(
@@ -51,7 +51,11 @@ class BatonClient:
         api_key: str | None = None,
     ):
         """`api_key`: sent as `authorization: Bearer <key>` to a service that asks for one."""
-        self.channel = grpc.insecure_channel(address)
+        # Up to the service's own message limit, not grpc's 4 MiB: a long prompt's
+        # prompt_logprobs with 20 alternatives each take ~230 bytes a token.
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
+        )
         self.stub = pb_grpc.BatonStub(self.channel)
         # Serve's gRPC proxy routes by this header when it serves several applications.
         self.metadata: tuple[tuple[str, str], ...] = (("application", application),)

@@ -275,6 +275,8 @@ class DecodeHandoff:
         metric), past the `cached_blocks` it held when the request came."""
         prompt = list(request.prompt_token_ids)
         tokens = len(prompt) - cached_blocks * self.block_size
+        if request.params.prompt_logprobs is not None:
+            tokens = len(prompt)  # computed whole (see generate)
         logger.warning(
             "request %s: KV handoff failed (%s: %s); recomputing %d prompt tokens here",
             request.request_id,

@@ -219,6 +219,28 @@ class CompletionRequest(_Request):
     # The prompt before the completion, in the text and, with logprobs, in the logprobs
     # (its tokens' own: what scoring a text by its likelihood takes, as lm-eval does).
     echo: bool = False
+    # 0 with echo: the prompt alone (as OpenAI's legacy API and vLLM take it).
+    max_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _no_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError(
+                "max_tokens: 0 asks for no completion, which only echo: true makes a "
+                "request of (the prompt alone); send at least 1",
+                param="max_tokens",
+            )
+        if self.max_tokens == 0 and self.min_tokens:
+            raise InvalidRequestError(
+                f"min_tokens: must be 0 with max_tokens 0, got {self.min_tokens}",
+                param="min_tokens",
+            )
+        return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """Echo with max_tokens 0: the engine samples one token, which is not returned."""
+        return self.echo and self.max_tokens == 0
 
     def prompt_input(self) -> PromptInput:
         if isinstance(self.prompt, str):
@@ -244,7 +266,7 @@ class CompletionRequest(_Request):
         if max_tokens is None:
             default = max(DEFAULT_COMPLETION_MAX_TOKENS, self.min_tokens)
             max_tokens = min(default, default_budget_room(room, self.min_tokens))
-        params = self._params(max_tokens, self.logprobs)
+        params = self._params(max(max_tokens, 1), self.logprobs)
         if self.echo and self.logprobs is not None:
             return replace(params, prompt_logprobs=self.logprobs)
         return params

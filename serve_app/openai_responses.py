@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -216,6 +216,28 @@ class ResponseBuilder:
             **body,
         }
         return f"data: {json.dumps(obj)}\n\n"
+
+
+async def without_completion(
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`outputs` with no completion in them, for an echo of the prompt alone
+    (`CompletionRequest.prompt_only`): its choices end at max_tokens 0, as OpenAI's do."""
+    try:
+        async for index, out in outputs:
+            yield (
+                index,
+                replace(
+                    out,
+                    new_token_ids=[],
+                    new_text="",
+                    new_logprobs=[],
+                    num_output_tokens=0,
+                    finish_reason=FinishReason.LENGTH if out.finished else None,
+                ),
+            )
+    finally:
+        await outputs.aclose()
 
 
 async def unaborted(

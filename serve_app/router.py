@@ -46,6 +46,7 @@ from serve_app.openai_responses import (
     openai_http_error,
     sse_events,
     unaborted,
+    without_completion,
 )
 from serve_app.output_mux import OutputDemux
 from serve_app.prefix_registry import PrefixRegistryConfig, RegistryLookup
@@ -358,6 +359,8 @@ class Router(HealthService):
                 merge_streams([self._outputs(request, text, "http") for request, text in choices])
             ),
         )
+        if isinstance(req, openai_api.CompletionRequest) and req.prompt_only:
+            outputs = without_completion(outputs)
         try:
             # The first output before answering: an engine's refusal is still a 4xx.
             first = await anext(outputs)

@@ -185,7 +185,15 @@ def test_null_means_the_default_for_every_optional_field():
             "max_completion_tokens",
             "or equal to 1",
         ),
-        (CompletionRequest, _completion(max_tokens=0), "max_tokens", "greater than or equal"),
+        # ... but with echo: the prompt alone.
+        (CompletionRequest, _completion(max_tokens=0), "max_tokens", "only echo: true"),
+        (
+            CompletionRequest,
+            _completion(max_tokens=0, echo=True, min_tokens=1),
+            "min_tokens",
+            "must be 0 with max_tokens 0",
+        ),
+        (CompletionRequest, _completion(max_tokens=-1), "max_tokens", "greater than or equal"),
         # A boolean is not a number, and a number must be finite.
         (CompletionRequest, _completion(max_tokens=True), "max_tokens", "valid integer"),
         (CompletionRequest, _completion(seed=True), "seed", "valid integer"),
@@ -216,6 +224,14 @@ def test_schema_errors_name_the_field_in_the_message_and_the_param(model, body, 
     assert err.value.param == param
     assert str(err.value).startswith(f"{param or 'body'}: ")
     assert says in str(err.value)
+
+
+def test_an_echo_of_the_prompt_alone_samples_one_token_it_does_not_return():
+    req = parse(CompletionRequest, _completion(max_tokens=0, echo=True, logprobs=0))
+    assert req.prompt_only
+    params = req.sampling_params(room=50)
+    assert (params.max_tokens, params.prompt_logprobs, params.logprobs) == (1, 0, 0)
+    assert not parse(CompletionRequest, _completion(max_tokens=1, echo=True)).prompt_only
 
 
 def test_negative_seeds_as_openai_takes_them_map_onto_the_engines_seeds():

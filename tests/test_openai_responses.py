@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,7 @@ from serve_app.openai_responses import (
     http_error,
     sse_events,
     unaborted,
+    without_completion,
 )
 from serve_app.stream_merge import merge_streams
 from workers.engine.errors import EngineDeadError, InvalidRequestError
@@ -97,6 +99,24 @@ def test_an_echoed_stream_sends_the_prompt_once_per_choice_in_its_first_chunk():
     plain = ResponseBuilder(False, "r", "m", str, bytes, Echo("ab", [5, 6]))
     assert _body(plain.chunk(RequestOutput("r", [7], "H")))["choices"][0]["text"] == "abH"
     assert _body(plain.chunk(RequestOutput("r", [7], "H"), index=1))["choices"][0]["text"] == "abH"
+
+
+def test_an_echo_of_the_prompt_alone_drops_the_sampled_token():
+    async def main():
+        async def outputs():
+            for out in _echoed_outputs()[:1]:
+                yield 0, replace(out, finished=True, finish_reason=FinishReason.STOP)
+
+        return [pair async for pair in without_completion(outputs())]
+
+    ((index, out),) = asyncio.run(main())
+    assert (out.new_token_ids, out.new_text, out.new_logprobs) == ([], "", [])
+    assert out.num_output_tokens == 0 and out.finish_reason is FinishReason.LENGTH
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6]))
+    body = builder.complete([[out]])
+    assert body["choices"][0]["text"] == "ab" and body["usage"]["completion_tokens"] == 0
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -2.0]
+    assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_n_choices_each_have_their_index_and_count_the_prompt_once():

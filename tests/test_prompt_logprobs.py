@@ -106,9 +106,12 @@ def test_a_cached_prefix_is_computed_again_for_them(model_dir):
     (warm,) = _first_outputs(engine, [prompt], plain)
     (again,) = _first_outputs(engine, [prompt], plain)
     assert again.num_cached_tokens > 0  # the prefix is cached ...
+    queries = engine.stats().prefix_cache_queries
     (asked,) = _first_outputs(engine, [prompt])
     assert asked.num_cached_tokens == 0  # ... but not taken where logprobs are due
     assert len(asked.prompt_logprobs) == len(prompt) - 1
+    # Nor counted as a lookup that missed: the hit rate is the cache's.
+    assert engine.stats().prefix_cache_queries == queries
 
 
 def test_a_handoff_carries_them_to_decode(model_dir):
@@ -122,6 +125,19 @@ def test_a_handoff_carries_them_to_decode(model_dir):
     assert rest[0].prompt_logprobs == first.prompt_logprobs
     assert len(first.prompt_logprobs) == len(prompt) - 1
     assert all(o.prompt_logprobs is None for o in rest[1:])
+
+
+def test_a_handoff_without_them_is_refused_for_a_request_that_asks(model_dir):
+    # As from a prefill replica of an earlier version, or given other parameters: decode
+    # would have no prompt positions left to compute them from.
+    prefill, decode = _engine(model_dir), _engine(model_dir)
+    prompt = random_prompts(1, seed=8)[0] + list(range(10, 40))
+    _prefill(prefill, "h", prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    handle, parts = prefill.export_kv("h")
+    with pytest.raises(ValueError, match="handle.prompt_logprobs covers 0 prompt tokens"):
+        decode.add_prefilled_request("h", prompt, PARAMS, handle, parts)
+    (out,) = _first_outputs(decode, [prompt])  # and decode serves on
+    assert len(out.prompt_logprobs) == len(prompt) - 1
 
 
 def test_merged_outputs_keep_the_first_ones_prompt_logprobs():

@@ -272,6 +272,10 @@ def test_prompt_logprobs_and_an_echoed_prompt(service, disagg, agg, smollm2_dir)
     )
     streamed = client.completions.create(echo=True, stream=True, **args)
     assert "".join(c.choices[0].text for c in streamed) == choice.text
+    # max_tokens 0: the prompt alone, scored.
+    (alone,) = client.completions.create(echo=True, logprobs=0, **{**args, "max_tokens": 0}).choices
+    assert alone.text == PROMPTS[2] and alone.finish_reason == "length"
+    assert alone.logprobs.token_logprobs == token_logprobs[: len(ids)]
     # A prompt of token ids echoes as their text.
     by_ids = client.completions.create(echo=True, **{**args, "prompt": ids}).choices[0].text
     assert by_ids == engine.tokenizer.decode(ids, skip_special_tokens=False) + plain

@@ -336,6 +336,16 @@ class KVImports:
             raise ValueError(
                 f"handle.first_logprob is for token {lp.token_id}, not {handle.first_token}"
             )
+        if seq.params.prompt_logprobs is not None:
+            # Checked here: an import lacking them would have decode's next step ask for
+            # prompt positions it never computes (prompt_logprobs.py), a broken engine.
+            got = [lp.token_id for lp in handle.prompt_logprobs]
+            if got != seq.prompt_token_ids[1:]:
+                raise ValueError(
+                    f"handle.prompt_logprobs covers {len(got)} prompt tokens, not the "
+                    f"{seq.num_prompt_tokens - 1} after the first this request asked for "
+                    "(a prefill engine must compute them with the same SamplingParams)"
+                )
 
     def _check_parts(self, handle: KVHandle, parts: list[KVPart]) -> None:
         """Shapes checked here, so a bad import never reaches (and kills) a TP rank."""

@@ -44,6 +44,7 @@ def take_prompt_logprobs(
     return logits[keep]
 
 
+@torch.inference_mode()  # the runner's logits are inference tensors, changed in place
 def _record(seq: Sequence, start: int, rows: torch.Tensor) -> None:
     first = len(seq.prompt_logprobs)
     end = min(start + rows.shape[0], seq.num_prompt_tokens - 1)
@@ -54,7 +55,9 @@ def _record(seq: Sequence, start: int, rows: torch.Tensor) -> None:
             f"{seq.request_id}: a chunk from position {start} skipped prompt logprobs "
             f"due from {first}"
         )
-    logprobs = rows[first - start : end - start].float().log_softmax(dim=1)
+    # In place: these rows are read for nothing else, and a chunk's can be hundreds of MB.
+    logprobs = rows[first - start : end - start]
+    logprobs -= logprobs.logsumexp(dim=1, keepdim=True)
     targets = torch.tensor(seq.prompt_token_ids[first + 1 : end + 1], dtype=torch.long)
     seq.prompt_logprobs.extend(
         top_logprobs(logprobs, targets, [seq.params.prompt_logprobs] * len(targets))

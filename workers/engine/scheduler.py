@@ -198,7 +198,12 @@ class Scheduler:
     def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:
         # A preempted sequence finding its own blocks again is no prefix hit: only a
         # first admission counts (as in vLLM), so the rate does not rise with preemptions.
-        if not self.kv.enable_prefix_caching or seq.num_preemptions:
+        # Nor is a prompt computed whole for its logprobs a query that missed.
+        if (
+            not self.kv.enable_prefix_caching
+            or seq.num_preemptions
+            or seq.params.prompt_logprobs is not None
+        ):
             return
         self.count_prefix_lookup(seq.num_tokens, cached)
         seq.num_cached_tokens = cached
