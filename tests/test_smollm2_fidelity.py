@@ -90,7 +90,7 @@ def test_last_position_logits_match_transformers(smollm2_dir, prompts, smollm2_r
     )
     for prompt in prompts:
         table = list(range(-(-len(prompt) // 16)))
-        ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)]))[0]
+        ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)])).logits[0]
         with torch.inference_mode():
             expected = smollm2_reference(torch.tensor([prompt])).logits[0, -1]
         assert (ours - expected).abs().max().item() < 1e-3
@@ -161,7 +161,7 @@ def test_bfloat16_errs_about_as_much_as_transformers_own_bfloat16(
     ours_err, theirs_err, same_top = 0.0, 0.0, 0
     for prompt in prompts:
         table = list(range(-(-len(prompt) // 16)))
-        ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)]))[0]
+        ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)])).logits[0]
         with torch.inference_mode():
             expected = smollm2_reference(torch.tensor([prompt])).logits[0, -1]
             theirs = theirs16(torch.tensor([prompt])).logits[0, -1].float()

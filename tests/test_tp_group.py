@@ -20,15 +20,29 @@ def _spec(model_dir, dtype=torch.float32) -> RunnerSpec:
 
 
 def _steps() -> list[StepInput]:
-    """A prefill of two prompts, then a mixed step: a decode, a decode with two speculated
-    tokens (logits at all three) and a chunk on a cached prefix."""
+    """A prefill of two prompts, a chunk with prompt logprobs, then a mixed step: a decode,
+    a decode with two speculated tokens (logits at all three) and a chunk on a cached
+    prefix."""
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, 320, (37,), generator=g).tolist()
     b = torch.randint(0, 320, (20,), generator=g).tolist()
     c = torch.randint(0, 320, (50,), generator=g).tolist()
     return [
         StepInput([SeqChunk(a, 0, [0, 1, 2], True), SeqChunk(b, 0, [3, 4], True)]),
-        StepInput([SeqChunk(c[:30], 0, [5, 6, 7, 8], False)]),
+        # With prompt logprobs from its 4th position on (of the tokens after them, 2 top).
+        StepInput(
+            [
+                SeqChunk(
+                    c[:30],
+                    0,
+                    [5, 6, 7, 8],
+                    False,
+                    prompt_targets=c[4:31],
+                    prompt_from=3,
+                    prompt_top_n=2,
+                )
+            ]
+        ),
         StepInput(
             [
                 SeqChunk([7], 37, [0, 1, 2], True),
@@ -40,7 +54,11 @@ def _steps() -> list[StepInput]:
 
 
 def _logits(runner) -> list[torch.Tensor]:
-    return [runner.execute(step) for step in _steps()]
+    """Every step's sampling logits, then the prompt logprobs (targets', top-n's)."""
+    outputs = [runner.execute(step) for step in _steps()]
+    prompt = [r for o in outputs for r in o.prompt_logprobs.values()]
+    assert len(prompt) == 1 and prompt[0].top_ids.shape == (27, 2)
+    return [o.logits for o in outputs] + [prompt[0].logprobs, prompt[0].top_logprobs]
 
 
 @pytest.mark.parametrize(("tp", "heads", "kv_heads"), [(2, 4, 2), (4, 4, 4), (4, 8, 4)])
@@ -113,6 +131,8 @@ def test_a_rank_method_that_raises_outside_a_collective_fails_only_that_call(ray
         with pytest.raises(ValueError, match="dst_tp must divide the 2 KV heads, got 3"):
             group.export_blocks([0, 1], 0, "object_store", dst_tp=3)
         assert group.failure is None
-        torch.testing.assert_close(group.execute(_steps()[0]), local.execute(_steps()[0]))
+        torch.testing.assert_close(
+            group.execute(_steps()[0]).logits, local.execute(_steps()[0]).logits
+        )
     finally:
         group.shutdown()

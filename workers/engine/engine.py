@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from workers.engine import prompt_logprobs
 from workers.engine.config import EngineConfig, kv_cache_bytes_per_block
 from workers.engine.engine_kv_handoff import KVHandoffAPI
 from workers.engine.errors import InvalidRequestError
@@ -22,7 +23,6 @@ from workers.engine.kv_transfer import KVHandle, KVLayout
 from workers.engine.kv_transport import KVPart
 from workers.engine.model_runner import ModelRunner, RunnerSpec, SeqChunk, StepInput
 from workers.engine.outputs import EngineStats, RequestOutput, merge_outputs
-from workers.engine.prompt_logprobs import take_prompt_logprobs, wants_all_logits
 from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_request
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
@@ -192,11 +192,10 @@ class LLMEngine(KVHandoffAPI):
             self.kv.flush_events()
             return outputs
         sampling = [s for s in scheduled if s.samples]
-        chunks = [self._chunk(s) for s in scheduled]
-        logits = self.runner.execute(StepInput(chunks))
-        if any(c.all_logits for c in chunks):
-            pairs = [(s.seq, c) for s, c in zip(scheduled, chunks, strict=True)]
-            logits = take_prompt_logprobs(pairs, logits)
+        output = self.runner.execute(StepInput([self._chunk(s) for s in scheduled]))
+        for i, rows in output.prompt_logprobs.items():
+            prompt_logprobs.record(scheduled[i].seq, rows)
+        logits = output.logits
         for s in scheduled:
             # Drafts count as computed only once accepted (_accept).
             s.seq.num_computed_tokens += s.num_own_tokens
@@ -246,13 +245,16 @@ class LLMEngine(KVHandoffAPI):
     @staticmethod
     def _chunk(s: ScheduledSequence) -> SeqChunk:
         start = s.seq.num_computed_tokens
+        offset, targets = prompt_logprobs.due_targets(s.seq, start, s.num_own_tokens)
         return SeqChunk(
             s.seq.token_ids(start, start + s.num_own_tokens) + list(s.draft_token_ids),
             start,
             s.seq.block_table,
             s.samples,
             len(s.draft_token_ids),
-            all_logits=wants_all_logits(s.seq, start, s.num_own_tokens),
+            prompt_targets=targets,
+            prompt_from=offset,
+            prompt_top_n=s.seq.params.prompt_logprobs or 0,
         )
 
     def _append_token(

@@ -29,9 +29,11 @@ class SeqChunk:
     # Speculated tokens ending the chunk; a sampling chunk then yields logits at each of
     # them and at the token before them.
     num_drafts: int = 0
-    # Logits at every position of the chunk (prompt logprobs), the last one being the
-    # sample's when the chunk samples.
-    all_logits: bool = False
+    # Prompt logprobs due in this chunk (prompt_logprobs.py): the prompt tokens that its
+    # positions from `prompt_from` on predict, and how many alternatives to return each.
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_from: int = 0
+    prompt_top_n: int = 0
 
 
 @dataclass
@@ -39,6 +41,25 @@ class StepInput:
     # Any order: the runner batches single-token chunks (decodes) itself and
     # returns logits in chunk order.
     chunks: list[SeqChunk] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprobRows:
+    """One chunk's prompt logprobs, computed where its logits are (only these leave the
+    device, not a vocabulary-wide row per position): the targets' logprobs [m], and the
+    top-n token ids and logprobs [m, n]."""
+
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+@dataclass
+class StepOutput:
+    # One row per sampling chunk, plus one per draft it ends with, in chunk order.
+    logits: torch.Tensor
+    # By chunk index, for the chunks with prompt_targets.
+    prompt_logprobs: dict[int, PromptLogprobRows] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -99,9 +120,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """Runs the step; returns logits in chunk order: one row per sampling chunk, plus
-        one per draft it ends with, or one per token of an `all_logits` chunk."""
+    def execute(self, step: StepInput) -> StepOutput:
+        """Runs the step; returns the sampling chunks' logits and the prompt logprobs
+        the chunks ask for."""
         decodes = [i for i, c in enumerate(step.chunks) if len(c.token_ids) == 1]
         prefills = [i for i, c in enumerate(step.chunks) if len(c.token_ids) > 1]
         token_ids: list[int] = []
@@ -151,14 +172,29 @@ class ModelRunner:
         rows = [
             row
             for i, c in enumerate(step.chunks)
-            if c.sample or c.all_logits
-            for row in range(
-                first_row[i] if c.all_logits else last_row[i] - c.num_drafts, last_row[i] + 1
-            )
+            if c.sample
+            for row in range(last_row[i] - c.num_drafts, last_row[i] + 1)
         ]
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         # The sampler runs on the host with host generators, as for a TP group's logits.
-        return self.model.compute_logits(hidden[rows_t]).float().cpu()
+        logits = self.model.compute_logits(hidden[rows_t]).float().cpu()
+        prompt = {
+            i: self._prompt_logprobs(hidden, first_row[i] + c.prompt_from, c)
+            for i, c in enumerate(step.chunks)
+            if c.prompt_targets
+        }
+        return StepOutput(logits, prompt)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, first: int, c: SeqChunk) -> PromptLogprobRows:
+        rows = hidden[first : first + len(c.prompt_targets)]
+        logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+        targets = torch.tensor(c.prompt_targets, dtype=torch.long, device=self.device)
+        top = logprobs.topk(c.prompt_top_n, dim=-1)  # n = 0: empty [m, 0] tensors
+        return PromptLogprobRows(
+            logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).cpu(),
+            top.indices.cpu(),
+            top.values.cpu(),
+        )
 
     def export_blocks(
         self,

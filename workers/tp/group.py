@@ -15,12 +15,10 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-import torch
-
 from workers.engine import kv_transport
 from workers.engine.errors import EngineDeadError
 from workers.engine.kv_transport import KVPart, KVRef, KVTransferError
-from workers.engine.model_runner import RunnerSpec, StepInput
+from workers.engine.model_runner import RunnerSpec, StepInput, StepOutput
 from workers.tp.worker import TPWorker
 
 _PLACEMENT_TIMEOUT_S = 60.0
@@ -82,7 +80,7 @@ class TPWorkerGroup:
             self.shutdown()
             raise
 
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput) -> StepOutput:
         return self._gather([w.execute.remote(step) for w in self._ranks()], collective=True)[0]
 
     def export_blocks(

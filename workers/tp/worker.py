@@ -22,7 +22,7 @@ import torch.distributed as dist
 from workers.engine import kv_transfer, kv_transport
 from workers.engine.kv_transfer import KVBlocks
 from workers.engine.kv_transport import KVPart, KVRef
-from workers.engine.model_runner import ModelRunner, RunnerSpec, StepInput
+from workers.engine.model_runner import ModelRunner, RunnerSpec, StepInput, StepOutput
 from workers.model.parallel import TPGroup
 from workers.torch_threads import use_num_threads
 
@@ -76,10 +76,11 @@ class TPWorker:
         self.tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
         self.runner = ModelRunner.from_spec(replace(spec, device=device), self.tp)
 
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Every rank runs the step; only rank 0 returns the (full-vocab) logits."""
-        logits = self._runner().execute(step)
-        return logits.cpu() if self.rank == 0 else None
+    def execute(self, step: StepInput) -> StepOutput | None:
+        """Every rank runs the step; only rank 0 returns its output (the full-vocab
+        logits, on the host)."""
+        output = self._runner().execute(step)
+        return output if self.rank == 0 else None
 
     def export_blocks(
         self, block_ids: list[int], start_block: int, transport: str, dst_tp: int | None
