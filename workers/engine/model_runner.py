@@ -43,6 +43,11 @@ class StepInput:
     chunks: list[SeqChunk] = field(default_factory=list)
 
 
+# Prompt positions whose logits are computed at once, for prompt logprobs: 100 MB of
+# float32 logits and their log-softmax for SmolLM2's vocabulary, 250 MB for Llama 3's.
+_PROMPT_ROWS = 256
+
+
 @dataclass
 class PromptLogprobRows:
     """One chunk's prompt logprobs, computed where its logits are (only these leave the
@@ -186,15 +191,18 @@ class ModelRunner:
         return StepOutput(logits, prompt)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first: int, c: SeqChunk) -> PromptLogprobRows:
-        rows = hidden[first : first + len(c.prompt_targets)]
-        logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+        """The targets' logprobs and the top-n, `_PROMPT_ROWS` positions at a time: only
+        that many vocabulary-wide rows are held at once, whatever the chunk's length."""
         targets = torch.tensor(c.prompt_targets, dtype=torch.long, device=self.device)
-        top = logprobs.topk(c.prompt_top_n, dim=-1)  # n = 0: empty [m, 0] tensors
-        return PromptLogprobRows(
-            logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).cpu(),
-            top.indices.cpu(),
-            top.values.cpu(),
-        )
+        parts = []
+        for i in range(0, len(targets), _PROMPT_ROWS):
+            j = min(i + _PROMPT_ROWS, len(targets))
+            logprobs = self.model.compute_logits(hidden[first + i : first + j])
+            logprobs = logprobs.float().log_softmax(dim=-1)
+            top = logprobs.topk(c.prompt_top_n, dim=-1)  # n = 0: empty [m, 0] tensors
+            chosen = logprobs.gather(1, targets[i:j].unsqueeze(1)).squeeze(1)
+            parts.append((chosen, top.indices, top.values))
+        return PromptLogprobRows(*(torch.cat(t).cpu() for t in zip(*parts, strict=True)))
 
     def export_blocks(
         self,
