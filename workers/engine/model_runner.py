@@ -1,4 +1,5 @@
-"""Owns the model and its paged KV cache; turns one scheduled step into logits.
+"""Owns the model and its paged KV cache; turns one scheduled step into logits (and the
+prompt logprobs its chunks ask for).
 
 The step arrives as plain data (`StepInput`) so the same runner can sit in the
 engine's process or in each rank of a tensor-parallel worker group.
@@ -44,7 +45,8 @@ class StepInput:
 
 
 # Prompt positions whose logits are computed at once, for prompt logprobs: 100 MB of
-# float32 logits and their log-softmax for SmolLM2's vocabulary, 250 MB for Llama 3's.
+# float32 logits and their log-softmax for SmolLM2's vocabulary, 250 MB for Llama 3's
+# (about twice that at the peak under TP, with the all-gather's buffers).
 _PROMPT_ROWS = 256
 
 

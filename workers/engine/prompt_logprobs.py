@@ -4,7 +4,8 @@ A request that asks (`SamplingParams.prompt_logprobs`) has its prompt computed w
 prefix cache or not (a cached position has no logits), and each prefill chunk names the
 prompt tokens its positions predict (`SeqChunk.prompt_targets`: position i predicts
 token i + 1); the runner returns their logprobs and top alternatives, computed where the
-logits are, so no vocabulary-wide row per position leaves the device or a TP rank. They
+logits are, so no vocabulary-wide row per position reaches the host or goes through Ray
+from a TP rank. They
 are the model's own distribution, before any penalty, bias or temperature, as sampled
 tokens' logprobs are. Each position is recorded once and in order, so a sequence
 preempted mid-prompt recomputes its positions but does not record them twice.

@@ -1,8 +1,8 @@
 """A tensor-parallel worker group: one Ray actor per rank, packed on one node.
 
 The engine drives it exactly like an in-process ModelRunner (`execute(step)
--> logits`): each step is sent to every rank, the ranks exchange activations
-over torch.distributed, and rank 0's logits come back. A rank that dies turns
+-> StepOutput`): each step is sent to every rank, the ranks exchange activations
+over torch.distributed, and rank 0's output (logits, prompt logprobs) comes back. A rank that dies turns
 the next step (or KV pull) into an EngineDeadError naming it, rather than a hang.
 
 Handed-over KV blocks under a direct transport (KVRefs) go rank to rank: each rank

@@ -77,8 +77,8 @@ class TPWorker:
         self.runner = ModelRunner.from_spec(replace(spec, device=device), self.tp)
 
     def execute(self, step: StepInput) -> StepOutput | None:
-        """Every rank runs the step; only rank 0 returns its output (the full-vocab
-        logits, on the host)."""
+        """Every rank runs the step; only rank 0 returns its output (the sampling rows'
+        full-vocab logits and any prompt logprobs, on the host)."""
         output = self._runner().execute(step)
         return output if self.rank == 0 else None
 
