@@ -2,8 +2,9 @@
 
 The engine drives it exactly like an in-process ModelRunner (`execute(step)
 -> StepOutput`): each step is sent to every rank, the ranks exchange activations
-over torch.distributed, and rank 0's output (logits, prompt logprobs) comes back. A rank that dies turns
-the next step (or KV pull) into an EngineDeadError naming it, rather than a hang.
+over torch.distributed, and rank 0's output (logits, prompt logprobs) comes back. A
+rank that dies turns the next step (or KV pull) into an EngineDeadError naming it,
+rather than a hang.
 
 Handed-over KV blocks under a direct transport (KVRefs) go rank to rank: each rank
 pulls the prefill ranks' parts that hold its KV heads itself (`prefetch`, callable from
