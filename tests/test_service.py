@@ -157,6 +157,15 @@ def test_chat_and_token_id_prompts_and_tokenize(disagg, agg):
     assert list(forced.token_ids) == [1000] * 5
 
 
+def test_baton_generate_streams_the_services_completion(service, agg, capsys):
+    # The README's main job asks the service this way.
+    from serve_app.cli import main
+
+    args = ["generate", "--app", "agg", "--address", service["grpc"], "--max-tokens", "8"]
+    assert main([*args, PROMPTS[0]]) == 0
+    assert capsys.readouterr().out == agg.generate_unary(_greedy(PROMPTS[0], 8)).text + "\n"
+
+
 def test_health_check_and_server_reflection(service):
     channel = grpc.insecure_channel(service["grpc"])
     health = health_pb2_grpc.HealthStub(channel)
