@@ -110,11 +110,7 @@ class DecodeHandoff:
         have = await self.engine.call(
             lambda e: e.cached_prefix_blocks(list(request.block_hashes), prompt, request.cache_salt)
         )
-        uncached = len(prompt) - have * self.block_size
-        if request.params.prompt_logprobs is not None:
-            # Computed whole wherever it runs (a cached position has no logits); only the
-            # transfer skips the blocks held here.
-            uncached = len(prompt)
+        uncached = self._tokens_to_compute(request, have)
         reserved = _Reservation(self.budget)
         try:
             remote = not self.prefills_here(uncached)
@@ -136,6 +132,14 @@ class DecodeHandoff:
                     yield out
         finally:
             reserved.release()
+
+    def _tokens_to_compute(self, request: EngineRequest, cached_blocks: int) -> int:
+        """The prompt tokens a prefill here computes past `cached_blocks` held blocks: all
+        of them for prompt logprobs (a cached position has no logits; only a transfer
+        skips the blocks held here)."""
+        if request.params.prompt_logprobs is not None:
+            return len(request.prompt_token_ids)
+        return len(request.prompt_token_ids) - cached_blocks * self.block_size
 
     async def _prefill_here(
         self, request: EngineRequest, prompt: list[int], uncached: int
@@ -274,9 +278,7 @@ class DecodeHandoff:
         going stale): this replica computes the prompt itself, visibly (log, counter,
         metric), past the `cached_blocks` it held when the request came."""
         prompt = list(request.prompt_token_ids)
-        tokens = len(prompt) - cached_blocks * self.block_size
-        if request.params.prompt_logprobs is not None:
-            tokens = len(prompt)  # computed whole (see generate)
+        tokens = self._tokens_to_compute(request, cached_blocks)
         logger.warning(
             "request %s: KV handoff failed (%s: %s); recomputing %d prompt tokens here",
             request.request_id,
