@@ -193,3 +193,43 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
     with pytest.raises(RuntimeError, match="slot is out of range"):
         attn._write_cache(kv, kv, torch.tensor([3, NUM_BLOCKS * BLOCK]))
     assert not attn.k_cache.any() and not attn.v_cache.any()
+
+
+def test_a_decode_step_takes_sdpa_output_in_any_memory_layout(monkeypatch):
+    # torch 2.11's CPU SDPA returned a layout that no view of [tokens, Hq * D] fits, and
+    # every pure-decode step on the gathered path (no C compiler, or CUDA) then failed.
+    sdpa = F.scaled_dot_product_attention
+
+    def d_major(*args, **kwargs):  # [kv, batch, group, D] stored as [batch, D, kv, group]
+        return sdpa(*args, **kwargs).permute(1, 3, 0, 2).contiguous().permute(2, 0, 3, 1)
+
+    monkeypatch.setattr("workers.model.attention.F.scaled_dot_product_attention", d_major)
+    gen = torch.Generator().manual_seed(1)
+    attn = PagedAttention(HEADS, KV_HEADS, DIM)
+    shape = (KV_HEADS, NUM_BLOCKS * BLOCK, DIM)
+    attn.bind_cache(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    attn._kernel = None
+    tables, lengths = torch.tensor([[5, 2], [7, 0]]), torch.tensor([BLOCK + 2, BLOCK])
+    q = torch.randn(2, HEADS, DIM, generator=gen)
+    new_k, new_v = torch.randn(2, KV_HEADS, DIM), torch.randn(2, KV_HEADS, DIM)
+    slots = torch.stack(
+        [
+            tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+            for i, n in enumerate(lengths.tolist())
+        ]
+    )
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_size=BLOCK,
+        num_decode=2,
+        decode_tables=tables,
+        decode_lengths=lengths,
+        prefills=[],
+    )
+    out = attn(q, new_k, new_v, meta)
+    monkeypatch.undo()  # F is torch's own module: the reference below takes plain SDPA
+    for i, n in enumerate(lengths.tolist()):
+        context = torch.cat([tables[i, b] * BLOCK + torch.arange(BLOCK) for b in range(2)])[:n]
+        k, v = attn.k_cache[:, context].transpose(0, 1), attn.v_cache[:, context].transpose(0, 1)
+        expected = _reference(q[i : i + 1], k, v, causal=False)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)

@@ -112,7 +112,9 @@ class PagedAttention(nn.Module):
 
         tokens = q.shape[0]
         if not meta.prefills:  # the common pure-decode step: no scatter into a buffer
-            return self._decode(q, meta).view(tokens, -1)
+            # reshape, not view: SDPA's output layout is its own (torch 2.11's CPU SDPA
+            # gave one that no view of [tokens, Hq * D] fits), the kernel's is contiguous.
+            return self._decode(q, meta).reshape(tokens, -1)
         out = torch.empty_like(q)
         if meta.num_decode:
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta)
