@@ -12,7 +12,8 @@ import time
 
 import pytest
 import torch
-from async_engine_helpers import GREEDY, TIMEOUT, _all_blocks_free, _engine, _until
+from async_engine_helpers import TIMEOUT, _all_blocks_free, _until
+from engine_helpers import GREEDY, _engine
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine

@@ -9,7 +9,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from async_engine_helpers import GREEDY, _collect, _engine
+from async_engine_helpers import _collect
+from engine_helpers import GREEDY, _engine
 from ray.exceptions import RayActorError
 
 from serve_app.decode_handoff import DecodeHandoff
