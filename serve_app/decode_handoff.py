@@ -7,9 +7,8 @@ asked for once more through the object store (and a run of them pauses direct pu
 transport_fallback.py). If the handoff fails (the prefill call fails, the pull fails,
 or this replica evicted the prefix it reported on every try), it computes the prompt
 itself, counted as a recompute and logged with its cause. It
-also prefills a prompt itself by choice (selective disaggregation, `AppConfig`): when
-little of it is uncached, or when it already waits on enough prefills that the pool
-would queue this one.
+also prefills a prompt itself by choice (selective disaggregation:
+selective_disaggregation.py decides).
 
 A handoff's export is prefill memory (GPU memory on a GPU) until decode pulls it, and
 with the object store it lands in this process whole: a replica asks for at most its KV
@@ -32,6 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.errors import root_cause
 from serve_app.metrics import ReplicaMetrics
 from serve_app.protocol import EngineRequest, PrefillResult
+from serve_app.selective_disaggregation import SelectiveDisaggregation
 from serve_app.transport_fallback import OBJECT_STORE, TransportFallback
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.errors import InvalidRequestError
@@ -95,12 +95,10 @@ class DecodeHandoff:
     ) -> None:
         self.engine, self.prefill_pool, self.metrics = engine, prefill_pool, metrics
         self.block_size, self.block_bytes = block_size, block_bytes
-        self.local_prefill_tokens = local_prefill_tokens
-        self.max_pending_prefills = max_pending_prefills
+        self.selective = SelectiveDisaggregation(local_prefill_tokens, max_pending_prefills)
         self.tp = engine.engine.config.tensor_parallel_size
         self.stats = HandoffStats()
         self.fallback = TransportFallback()
-        self.num_pending_prefills = 0  # calls to the prefill pool in flight
         # As many blocks of the prefill pool's exports as this replica's KV cache holds.
         self.budget = PullBudget(engine.engine.kv.num_blocks * block_bytes)
 
@@ -113,13 +111,13 @@ class DecodeHandoff:
         uncached = self._tokens_to_compute(request, have)
         reserved = _Reservation(self.budget)
         try:
-            remote = not self.prefills_here(uncached)
+            remote = not self.selective.prefills_here(uncached)
             if remote:
                 # At most a KV cache's worth of handoffs in flight (module docstring).
                 await reserved.take(self._handoff_bytes(len(prompt), have))
                 # Asked again after the wait for room: meanwhile enough prefill calls may
                 # have gone out for this prompt to be better prefilled here.
-                remote = not self.prefills_here(uncached)
+                remote = not self.selective.prefills_here(uncached)
             if remote:
                 outputs = self._handoff(request, prompt, have, reserved)
             else:
@@ -165,7 +163,7 @@ class DecodeHandoff:
             sent = time.perf_counter()
             response = self.prefill_pool.prefill.remote(request, have, self.tp, transport)
             try:
-                result: PrefillResult = await self._pending(response)
+                result: PrefillResult = await self.selective.pending(response)
             except asyncio.CancelledError:
                 response.cancel()  # the prefill replica aborts its request too
                 raise
@@ -255,21 +253,6 @@ class DecodeHandoff:
     def _handoff_bytes(self, num_tokens: int, have: int) -> int:
         """What prefill will export for a prompt of which this replica holds `have` blocks."""
         return (-(-num_tokens // self.block_size) - have) * self.block_bytes
-
-    def prefills_here(self, uncached_tokens: int) -> bool:
-        """Selective disaggregation: whether this replica prefills the prompt itself."""
-        if self.local_prefill_tokens and uncached_tokens <= self.local_prefill_tokens:
-            return True
-        limit = self.max_pending_prefills
-        return limit is not None and self.num_pending_prefills >= limit
-
-    async def _pending(self, response) -> PrefillResult:
-        """The prefill pool's answer, counted as pending while it is awaited."""
-        self.num_pending_prefills += 1
-        try:
-            return await response
-        finally:
-            self.num_pending_prefills -= 1
 
     async def _recompute(
         self, request: EngineRequest, error: BaseException, cached_blocks: int

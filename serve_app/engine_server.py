@@ -8,8 +8,8 @@ plays one role:
 - "prefill": `prefill` computes the prompt, samples the first token and returns it with
   the KV blocks the caller lacks (the blocks are released here as they leave);
 - "decode": `generate` gets the first token and the blocks it lacks from the prefill
-  pool, imports them and decodes (`decode_handoff.py`: the handoff, its fallbacks and
-  selective disaggregation).
+  pool, imports them and decodes (`decode_handoff.py`: the handoff and its fallbacks;
+  `selective_disaggregation.py`: when it prefills a prompt itself instead).
 
 Each replica publishes its prefix cache's stored/evicted block hashes to the prefix
 registry, and its load and KV usage to Serve's request router (`record_routing_stats`).
@@ -250,7 +250,7 @@ class EngineServer:
             "engine": asdict(self.engine.stats()),
             # A decode replica's handoffs (all zeros elsewhere) and prefill calls in flight.
             "handoff": asdict(self.decode.stats if self.decode else HandoffStats()),
-            "pending_prefills": self.decode.num_pending_prefills if self.decode else 0,
+            "pending_prefills": self.decode.selective.num_pending_prefills if self.decode else 0,
             "mux": self.channels.stats(),
             "gpus": self.gpus.to_dict(),
         }

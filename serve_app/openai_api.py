@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP surface's requests: bodies -> engine types (the responses are
+"""The OpenAI-compatible HTTP surface's requests: bodies -> engine types (reading a body
+and bounding it before it is parsed is `openai_body.py`, the responses are
 `openai_responses.py`).
 
 Fields the engine cannot honour are refused when set to anything but their neutral value
@@ -11,32 +12,18 @@ the field at fault (the OpenAI error body's `param`).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
 from dataclasses import replace
 from typing import Any, Literal
 
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from serve_app.openai_body import check_sizes
 from serve_app.openai_unsupported import check_unsupported
-from serve_app.prompts import MAX_MESSAGES, PromptInput
-from serve_app.serve_config import MAX_REQUEST_BYTES
+from serve_app.prompts import PromptInput
 from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling_params import (
-    MAX_LOGIT_BIAS_TOKENS,
-    MAX_LOGPROBS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    SamplingParams,
-    default_budget_room,
-)
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, default_budget_room
 
-# An HTTP body over this is refused before it is parsed (gRPC has the same limit).
-MAX_BODY_BYTES = MAX_REQUEST_BYTES
-# A body past this is parsed on a worker thread (below it the thread hop costs more).
-INLINE_PARSE_BYTES = 256 * 2**10
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Choices per request: each is an engine request of its own.
 MAX_CHOICES = 16
@@ -45,37 +32,6 @@ MAX_CHOICES = 16
 # refused later, after Python's int() had spent time on thousands of digits or refused
 # them itself).
 _TOKEN_ID = re.compile(r"-?[0-9]{1,19}", re.ASCII)
-
-
-# The list fields' bounds, checked before a body is parsed into models: parsing a million
-# entries only to refuse them would hold the router's event loop for seconds.
-_MAX_ENTRIES = {
-    "messages": MAX_MESSAGES,
-    "stop": MAX_STOP_STRINGS,
-    "stop_token_ids": MAX_STOP_TOKEN_IDS,
-    "logit_bias": MAX_LOGIT_BIAS_TOKENS,
-}
-
-
-def _check_sizes(body: dict[str, Any]) -> None:
-    for name, limit in _MAX_ENTRIES.items():
-        value = body.get(name)
-        if isinstance(value, (list, dict)) and len(value) > limit:
-            raise InvalidRequestError(
-                f"{name} takes at most {limit} entries, got {len(value)}", param=name
-            )
-    messages = body.get("messages")
-    if isinstance(messages, list):  # and their content parts, all together
-        parts = sum(
-            len(m["content"])
-            for m in messages
-            if isinstance(m, dict) and isinstance(m.get("content"), list)
-        )
-        if parts > MAX_MESSAGES:
-            raise InvalidRequestError(
-                f"messages: at most {MAX_MESSAGES} content parts in all, got {parts}",
-                param="messages",
-            )
 
 
 class _Body(BaseModel):
@@ -136,7 +92,7 @@ class _Request(_Body):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             check_unsupported(data, served=cls.model_fields)
-            _check_sizes(data)
+            check_sizes(data)
         return data
 
     @model_validator(mode="after")
@@ -393,32 +349,3 @@ def parse(model: type[_Request], body: Any) -> _Request:
             message = f"must be {_UNION_TYPES[path[-1]]}"
         param = ".".join(str(p) for p in path) or None
         raise InvalidRequestError(f"{param or 'body'}: {message}", param=param) from None
-
-
-async def json_body(raw: Request) -> object:
-    """An HTTP request's JSON body, read no further than MAX_BODY_BYTES."""
-    declared = raw.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _body_too_large(int(declared))
-    chunks, size = [], 0
-    async for chunk in raw.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _body_too_large(size)
-        chunks.append(chunk)
-    data = b"".join(chunks)
-    try:
-        if len(data) <= INLINE_PARSE_BYTES:
-            return json.loads(data)
-        # Megabytes of JSON take the parser a second: the router's other streams go on.
-        return await asyncio.to_thread(json.loads, data)
-    except RecursionError:
-        raise InvalidRequestError("the request body nests JSON too deeply") from None
-    except ValueError:  # bad JSON or UTF-8, or an integer past Python's digit limit
-        raise InvalidRequestError("the request body must be a JSON object") from None
-
-
-def _body_too_large(size: int) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"the request body is {size} bytes or more; at most {MAX_BODY_BYTES} are accepted"
-    )

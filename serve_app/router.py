@@ -23,7 +23,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app import openai_api
+from serve_app import openai_api, openai_body
 from serve_app.api_keys import ApiKeys, authorization
 from serve_app.config import AppConfig
 from serve_app.errors import public_error
@@ -330,7 +330,7 @@ class Router(HealthService):
         req = None
         try:
             self._authorize(raw.headers.get("authorization"))
-            req = openai_api.parse(model, await openai_api.json_body(raw))
+            req = openai_api.parse(model, await openai_body.json_body(raw))
             if req.model != self.served_model_name:
                 self.metrics.ended("http", "invalid")
                 return self._model_not_found(req.model)

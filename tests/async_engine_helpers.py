@@ -1,4 +1,5 @@
-"""What the AsyncEngine tests share: sampling params, an engine on the tiny model, and waits.
+"""What the AsyncEngine tests share: sampling params and waits (greedy params and the
+engine on the tiny model: engine_helpers.py).
 
 Waits on background state poll with a deadline instead of sleeping a guessed amount.
 """
@@ -10,19 +11,15 @@ import threading
 import time
 from collections.abc import Callable
 
+from engine_helpers import GREEDY
+
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=800, temperature=0.0, ignore_eos=True)
 TIMEOUT = 30.0
-
-
-def _engine(model_dir, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), **{"num_kv_blocks": 256, **overrides}))
 
 
 async def _collect(engine: AsyncEngine, rid: str, prompt, params=GREEDY, read=None):

@@ -180,7 +180,8 @@ def make_tiny_gguf() -> Callable[..., dict[str, np.ndarray]]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A small random-weight Llama folder (tiny_model's defaults), one per module. Used by the
-    test_async_engine* and test_kv_transfer* modules; a module wanting another defines its own."""
+    test_engine*, test_async_engine* and test_kv_transfer* modules among others; a module
+    wanting another defines its own."""
     from tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))

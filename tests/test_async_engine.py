@@ -1,7 +1,8 @@
 """AsyncEngine on a small random-weight Llama: cancellation, aborts, refused requests,
-backpressure, a failing step, shutdown and the idle thread.
+backpressure and shutdown.
 
-Streaming is in test_async_engine_streams.py, KV handoffs in test_async_engine_handoff.py.
+Streaming is in test_async_engine_streams.py, KV handoffs in test_async_engine_handoff.py,
+the engine thread's sleeping and failing in test_engine_thread.py.
 Each test drives its own event loop with asyncio.run (no pytest-asyncio dependency).
 """
 
@@ -13,15 +14,14 @@ from contextlib import aclosing
 
 import pytest
 from async_engine_helpers import (
-    GREEDY,
     LONG,
     TIMEOUT,
     _all_blocks_free,
     _collect,
-    _engine,
     _until,
     hold_steps_until_read,
 )
+from engine_helpers import GREEDY, _engine
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine
@@ -192,45 +192,6 @@ def test_overload_raises_engine_overloaded_error(model_dir):
     asyncio.run(main())
 
 
-def test_step_failure_fails_every_request_and_marks_the_engine_dead(model_dir):
-    prompts = random_prompts(4)
-    llm = _engine(model_dir)
-    real_step, calls = llm.step, []
-
-    def failing_step():
-        calls.append(None)
-        if len(calls) == 5:
-            raise RuntimeError("TP rank 1 died")
-        return real_step()
-
-    llm.step = failing_step
-
-    async def main():
-        engine = AsyncEngine(llm)
-        try:
-            results = await asyncio.wait_for(
-                asyncio.gather(
-                    *(_collect(engine, f"r{i}", p, LONG) for i, p in enumerate(prompts)),
-                    return_exceptions=True,
-                ),
-                TIMEOUT,
-            )
-            for err in results:
-                assert isinstance(err, EngineDeadError) and isinstance(err, RuntimeError)
-                assert "TP rank 1 died" in str(err)
-                assert isinstance(err.__cause__, RuntimeError)
-            assert not engine.is_healthy()
-            with pytest.raises(EngineDeadError, match="TP rank 1 died"):
-                await engine.generate("late", prompts[0], GREEDY).__anext__()
-            assert not await engine.abort("r0")
-            assert engine.stats().num_total_blocks == 256  # still answers
-        finally:
-            await engine.shutdown()
-
-    asyncio.run(main())
-    assert len(calls) == 5  # the engine was never stepped again
-
-
 def test_shutdown_aborts_in_flight_requests_and_joins_the_thread(model_dir):
     prompt = random_prompts(1)[0]
     llm = _engine(model_dir)
@@ -253,31 +214,3 @@ def test_shutdown_aborts_in_flight_requests_and_joins_the_thread(model_dir):
 
     asyncio.run(main())
     assert shut_down == [True]
-
-
-def test_idle_engine_thread_sleeps_and_wakes_on_a_request(model_dir):
-    prompt = random_prompts(1)[0]
-    llm = _engine(model_dir)
-    real_has_unfinished, polls = llm.has_unfinished, []
-
-    def counting_has_unfinished():
-        polls.append(None)
-        return real_has_unfinished()
-
-    llm.has_unfinished = counting_has_unfinished
-
-    async def main():
-        engine = AsyncEngine(llm)
-        try:
-            for rid in ("first", "second"):
-                assert (await asyncio.wait_for(_collect(engine, rid, prompt), TIMEOUT))[-1].finished
-                await _until(lambda: _all_blocks_free(engine), "the request to finish")
-                before = len(polls)
-                # An observation window, not a wait for state: a spinning loop would poll
-                # the engine thousands of times in it.
-                await asyncio.sleep(0.1)
-                assert len(polls) - before <= 2
-        finally:
-            await engine.shutdown()
-
-    asyncio.run(main())

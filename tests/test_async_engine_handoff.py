@@ -1,6 +1,7 @@
 """AsyncEngine KV handoffs on a small random-weight Llama: a prefill-only stream handed to a
-second engine, TP decode ranks pulling it (Ray, slow), and held handoffs that expire or are
-freed by an abort or a consumer that went away.
+second engine, TP decode ranks pulling it (Ray, slow), and held handoffs freed by an abort
+or a consumer that went away (one that expires while the engine idles:
+test_engine_thread.py).
 
 Each test drives its own event loop with asyncio.run (no pytest-asyncio dependency).
 """
@@ -12,7 +13,8 @@ import time
 
 import pytest
 import torch
-from async_engine_helpers import GREEDY, TIMEOUT, _all_blocks_free, _engine, _until
+from async_engine_helpers import TIMEOUT, _all_blocks_free, _until
+from engine_helpers import GREEDY, _engine
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine
@@ -138,20 +140,6 @@ def test_tp_decode_ranks_pull_the_handoff_the_export_is_freed_at_import_a_cancel
             await decode.shutdown()
 
     assert asyncio.run(main()) == expected[:2]
-
-
-def test_a_held_handoff_expires_while_the_engine_is_idle(model_dir):
-    async def main():
-        engine = AsyncEngine(_engine(model_dir, handoff_timeout_s=0.2))
-        prompt = random_prompts(1, seed=4)[0]
-        outs = [o async for o in engine.generate("h", prompt, GREEDY, prefill_only=True)]
-        assert outs[-1].handoff is not None
-        # Nothing else happens: the engine thread must wake for the deadline on its own.
-        await _until(lambda: engine.stats().handoffs_expired == 1, "the handoff to expire")
-        await _until(lambda: _all_blocks_free(engine), "the expired blocks to be freed")
-        await engine.shutdown()
-
-    asyncio.run(main())
 
 
 def test_abort_nowait_releases_a_held_handoff(model_dir):

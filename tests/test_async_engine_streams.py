@@ -10,15 +10,14 @@ import asyncio
 
 import pytest
 from async_engine_helpers import (
-    GREEDY,
     LONG,
     TIMEOUT,
     _all_blocks_free,
     _collect,
-    _engine,
     _until,
     hold_steps_until_read,
 )
+from engine_helpers import GREEDY, _engine
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine

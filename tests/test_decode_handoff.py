@@ -9,7 +9,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from async_engine_helpers import GREEDY, _collect, _engine
+from async_engine_helpers import _collect
+from engine_helpers import GREEDY, _engine
 from ray.exceptions import RayActorError
 
 from serve_app.decode_handoff import DecodeHandoff
@@ -79,31 +80,6 @@ async def _until(condition, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.005)
 
 
-@pytest.mark.parametrize(
-    ("local_tokens", "max_pending", "pending", "uncached", "here"),
-    [
-        (0, None, 99, 1, False),  # pure disaggregation: every prompt goes to the pool
-        (64, None, 0, 64, True),  # short enough
-        (64, None, 0, 65, False),
-        (0, 2, 1, 4096, False),  # the pool is not yet busy
-        (0, 2, 2, 4096, True),  # it would queue this one behind two
-        (64, 2, 2, 65, True),
-    ],
-)
-def test_decode_prefills_itself_only_when_short_or_the_pool_is_busy(
-    model_dir, local_tokens, max_pending, pending, uncached, here
-):
-    engine = AsyncEngine(_engine(model_dir))
-    try:
-        handoff = _handoff(
-            engine, None, local_prefill_tokens=local_tokens, max_pending_prefills=max_pending
-        )
-        handoff.num_pending_prefills = pending
-        assert handoff.prefills_here(uncached) is here
-    finally:
-        asyncio.run(engine.shutdown())
-
-
 def test_a_prompt_whose_logprobs_are_asked_counts_as_uncached_whole(model_dir):
     engine = AsyncEngine(_engine(model_dir))
     handoff = _handoff(engine, None, local_prefill_tokens=64)
@@ -131,7 +107,7 @@ def test_a_failed_prefill_call_is_recomputed_on_decode_with_the_same_output(mode
             dead = _PrefillPool(lambda r: r.set_exception(RayActorError()))
             handoff = _handoff(engine, dead, recomputed, max_pending_prefills=1)
             got = await _tokens(handoff.generate(_request(engine, PROMPT)))
-            assert handoff.num_pending_prefills == 0 and handoff.budget.used == 0
+            assert handoff.selective.num_pending_prefills == 0 and handoff.budget.used == 0
             return want, got, handoff.stats
         finally:
             await engine.shutdown()
@@ -227,30 +203,6 @@ def test_decode_asks_for_a_prefill_only_while_its_handoffs_in_flight_leave_room(
     asyncio.run(main())
 
 
-def test_a_prefill_call_counts_as_pending_until_it_answers_or_fails(model_dir):
-    async def main():
-        engine = AsyncEngine(_engine(model_dir))
-        try:
-            handoff = _handoff(engine, None, max_pending_prefills=1)
-            answer = asyncio.get_running_loop().create_future()
-            call = asyncio.ensure_future(handoff._pending(answer))
-            await asyncio.sleep(0)
-            assert handoff.num_pending_prefills == 1 and handoff.prefills_here(4096)
-            answer.set_result("result")
-            assert await call == "result" and handoff.num_pending_prefills == 0
-            failing = asyncio.get_running_loop().create_future()
-            call = asyncio.ensure_future(handoff._pending(failing))
-            await asyncio.sleep(0)
-            failing.set_exception(ConnectionError("the prefill replica died"))
-            with pytest.raises(ConnectionError):
-                await call
-            assert handoff.num_pending_prefills == 0 and not handoff.prefills_here(4096)
-        finally:
-            await engine.shutdown()
-
-    asyncio.run(main())
-
-
 class _PrefillReplica(EngineServer):
     def __del__(self) -> None:  # Serve awaits the real one on shutdown; nothing to undo here
         pass
@@ -330,7 +282,7 @@ def test_a_request_that_waited_for_room_is_prefilled_here_if_the_pool_got_busy(m
             await budget.acquire(budget.capacity)
             decoding = asyncio.ensure_future(_tokens(handoff.generate(_request(engine, PROMPT))))
             await _until(lambda: budget.num_waiting == 1)
-            handoff.num_pending_prefills = 1  # meanwhile another request called the pool
+            handoff.selective.num_pending_prefills = 1  # meanwhile another request called the pool
             budget.release(budget.capacity)
             assert await decoding == want
             assert pool.calls == 0 and handoff.stats.num_local_prefills == 1

@@ -20,7 +20,7 @@ from kv_transfer_helpers import (
 )
 from tiny_model import make_tiny_model
 
-from workers.engine import engine as engine_module
+from workers.engine import engine_step
 from workers.engine.kv_transfer import KVBlocks, StalePrefixError
 from workers.engine.kv_transport import KVTransferError
 from workers.engine.outputs import RequestOutput
@@ -46,7 +46,7 @@ def test_a_skip_of_blocks_decode_no_longer_holds_is_refused_and_retried(model_di
 
 def test_held_blocks_expire_after_the_timeout(model_dir, monkeypatch):
     now = [1000.0]  # the engine's clock, moved by hand
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(engine_step, "time", SimpleNamespace(monotonic=lambda: now[0]))
     prefill = _engine(model_dir, handoff_timeout_s=2.0)
     _prefill(prefill, "r", _tokens(40, seed=50))
     stats = prefill.stats()

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from async_engine_helpers import _engine
+from engine_helpers import _engine
 
 from workers.engine.async_engine import AsyncEngine
 from workers.torch_threads import one_thread, run_in_passing_thread, use_num_threads

@@ -1,7 +1,7 @@
 """The engine's half of the KV handoff, as its callers see it: a prefill engine exports
 and releases held handoffs, a decode engine asks what it holds and moves the blocks over
-(the protocol: handoff.py; adding the prefilled request and admitting it into the running
-sequences are the engine's: engine.py).
+(the protocol: handoff.py; adding the prefilled request is the engine's, engine.py, and
+admitting it into the running sequences its step's, engine_step.py).
 
 A base class of `LLMEngine`, apart only to keep one concept per module: it works on the
 engine's own parts, declared below.

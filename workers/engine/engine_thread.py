@@ -1,0 +1,183 @@
+"""The engine thread of an `AsyncEngine`: the one thread that touches its `LLMEngine`.
+
+It sleeps while the engine has nothing to compute (waking on commands, and every
+`_TIMER_POLL_S` while handoffs are held or imports wait), runs the commands callers
+queued (async_commands.py) between steps, sends each step's outputs to their streams'
+event loops, and, if anything escapes, fails every request and never touches the engine
+again (async_engine.py's failure policy).
+
+A base class of `AsyncEngine`, apart only to keep one concept per module: the caller side
+there sets up the state declared below (and says what its lock guards) and starts the
+thread on `_run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from workers.engine.async_commands import (
+    Abort,
+    Add,
+    Call,
+    Stream,
+    abort_output,
+    call_soon,
+    deliver,
+    fail,
+    fail_all,
+    resolve,
+)
+from workers.engine.engine import LLMEngine
+from workers.engine.errors import EngineDeadError
+from workers.engine.outputs import EngineStats, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# While the engine has nothing to compute but held handoffs wait for their deadline or
+# imports wait for blocks, the engine thread re-checks this often instead of spinning.
+_TIMER_POLL_S = 0.5
+
+
+class EngineThread:
+    engine: LLMEngine
+    _cond: threading.Condition
+    _commands: list[Add | Abort | Call]
+    _commands_running: list[Add | Abort | Call]
+    _num_queued_adds: int
+    _stats: EngineStats
+    _stopping: bool
+    _error: EngineDeadError | None
+    _streams: dict[str, Stream]
+
+    def _run(self) -> None:
+        try:
+            self.engine.use_thread()
+            while True:
+                # The engine's work only changes on this thread, so one look before
+                # sleeping is enough; commands and shutdown notify to wake it.
+                engine = self.engine
+                idle = not engine.needs_step()
+                timers = bool(engine.imports.pending or len(engine.handoffs))
+                with self._cond:
+                    if idle:
+                        self._cond.wait_for(
+                            lambda: self._commands or self._stopping,
+                            timeout=_TIMER_POLL_S if timers else None,
+                        )
+                    commands, self._commands = self._commands, []
+                    # Kept until run: if running them fails midway, _die must still
+                    # answer the ones after the failure.
+                    self._commands_running = commands
+                    stopping = self._stopping
+                num_adds = self._execute(commands)
+                # Not kept while idle: a command's closure or reply may hold an export.
+                self._commands_running = commands = []
+                if stopping:
+                    self._abort_all()
+                    self._publish_stats(num_adds)
+                    return
+                if engine.has_unfinished() or len(engine.handoffs):
+                    # Expires handoffs and admits imports, whose first tokens go out now.
+                    self._dispatch(engine.ready_outputs())
+                    self._dispatch(engine.step())
+                self._publish_stats(num_adds)
+        except BaseException as exc:  # anything escaping here leaves the engine unusable
+            logger.exception("engine thread failed; failing every request")
+            self._die(exc)
+
+    def _execute(self, commands: list[Add | Abort | Call]) -> int:
+        num_adds = 0
+        for command in commands:
+            if isinstance(command, Add):
+                num_adds += 1
+                self._add(command)
+            elif isinstance(command, Call):
+                self._call(command)
+            else:
+                self._abort(command)
+        return num_adds
+
+    def _call(self, command: Call) -> None:
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:  # the caller's error (e.g. ValueError), not the engine's
+            call_soon(command.reply_loop, fail, command.reply, exc)
+            return
+        call_soon(command.reply_loop, resolve, command.reply, result)
+
+    def _add(self, command: Add) -> None:
+        stream = command.stream
+        try:
+            command.submit(self.engine)
+        except Exception as exc:  # refused before any engine state changed: only it fails
+            self._send({stream.loop: [(stream, exc)]})
+            return
+        self._streams[stream.request_id] = stream
+
+    def _abort(self, command: Abort) -> None:
+        rid = command.request_id
+        live = self._streams.get(rid)
+        aborted = False
+        if command.stream is None or live is command.stream:
+            aborted = self.engine.abort(rid)
+            self._streams.pop(rid, None)
+            if live is not None and command.stream is None:
+                # The consumer is still reading: tell it how its request ended.
+                self._send({live.loop: [(live, abort_output(live))]})
+        elif live is None and command.stream.handoff is not None:
+            # The request finished before its consumer left, but a prefill-only one still
+            # holds its handoff, which nobody will export now: free it at once rather
+            # than at its deadline. Its own handoff only: a stream the engine refused (an
+            # id in use) must not free the handoff of the request holding that id.
+            aborted = self.engine.release_handoff(rid, command.stream.handoff)
+        if command.reply is not None and command.reply_loop is not None:
+            call_soon(command.reply_loop, resolve, command.reply, aborted)
+
+    def _abort_all(self) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, stream in self._streams.items():
+            self.engine.abort(rid)
+            batches.setdefault(stream.loop, []).append((stream, abort_output(stream)))
+        self._streams.clear()
+        self._send(batches)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # its consumer left; the abort is queued behind this step
+            stream.num_output_tokens = out.num_output_tokens
+            stream.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                del self._streams[out.request_id]
+                stream.handoff = out.handoff
+            batches.setdefault(stream.loop, []).append((stream, out))
+        self._send(batches)
+
+    def _send(self, batches: dict[asyncio.AbstractEventLoop, list]) -> None:
+        for loop, items in batches.items():
+            if not call_soon(loop, deliver, items):
+                # The consumer's loop is gone: nobody will read these, so stop computing them.
+                for stream, _ in items:
+                    if self._streams.get(stream.request_id) is stream:
+                        del self._streams[stream.request_id]
+                        self.engine.abort(stream.request_id)
+
+    def _publish_stats(self, num_adds: int) -> None:
+        stats = self.engine.stats()
+        with self._cond:
+            self._stats = stats
+            self._num_queued_adds -= num_adds
+
+    def _die(self, exc: BaseException) -> None:
+        error = EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        with self._cond:
+            self._error = error
+            queued, self._commands = self._commands_running + self._commands, []
+            self._commands_running = []
+        streams, self._streams = list(self._streams.values()), {}
+        fail_all(streams, queued, error)
