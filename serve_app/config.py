@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from serve_app.prefix_registry import PrefixRegistryConfig, app_registry_name
 from serve_app.status_board import DEFAULT_BOARD_NAME
 from workers.engine.config import EngineConfig, SpeculativeConfig
 from workers.engine.scheduler import SchedulerConfig
@@ -168,8 +169,13 @@ class AppConfig(_Frozen):
     prefill: PoolConfig = PoolConfig()
     decode: PoolConfig = PoolConfig()
     router: RouterConfig = RouterConfig()
-    # Name of the detached prefix-registry actor (one per Serve application).
-    registry_name: str = Field("baton-prefix-registry", min_length=1)
+    # Name of the detached prefix-registry actor the router and pool replicas share (Ray
+    # namespace "baton"). None: the application's own, named after its Serve application
+    # (`baton-prefix-registry-<app name>`, see `prefix_registry`), so applications on one
+    # cluster never route by each other's replicas; `baton stop` removes it with the
+    # application. A name several applications set shares one registry on purpose (and
+    # outlives them: nothing removes it).
+    registry_name: str | None = Field(None, min_length=1)
     # Name of the detached actor replicas post their stats to (for `baton status`).
     status_board_name: str = Field(DEFAULT_BOARD_NAME, min_length=1)
     # A file on the router's machine holding the service's API keys, one per line, read
@@ -185,6 +191,20 @@ class AppConfig(_Frozen):
                 f"does not run in this directory), got {path!r}"
             )
         return path
+
+    @model_validator(mode="after")
+    def _distinct_actor_names(self) -> AppConfig:
+        if self.registry_name is not None and self.registry_name == self.status_board_name:
+            raise ValueError(
+                f"registry_name and status_board_name must name different actors (both "
+                f"live in Ray namespace 'baton'), got {self.registry_name!r} for both"
+            )
+        return self
+
+    def prefix_registry(self, app_name: str) -> PrefixRegistryConfig:
+        """The prefix registry of this config deployed as Serve application `app_name`:
+        `registry_name`, else the application's own."""
+        return PrefixRegistryConfig(name=self.registry_name or app_registry_name(app_name))
 
     def model_dir(self) -> Path:
         """The model's local folder (the bundled default is unpacked on first use)."""

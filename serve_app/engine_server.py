@@ -33,7 +33,7 @@ from serve_app.decode_handoff import DecodeHandoff, HandoffStats
 from serve_app.gpu_telemetry import read_gpus, replica_gpus
 from serve_app.metrics import ReplicaMetrics
 from serve_app.output_mux import OutputChannels
-from serve_app.prefix_registry import HEARTBEAT_S, PrefixRegistryConfig, get_or_create_registry
+from serve_app.prefix_registry import HEARTBEAT_S, get_or_create_registry
 from serve_app.protocol import EngineRequest, PrefillResult, StreamStart, Subscription
 from serve_app.status_board import get_or_create_board
 from workers.engine.async_engine import AsyncEngine
@@ -64,7 +64,8 @@ class EngineServer:
         self.gpus = replica_gpus(pool.num_gpus, pool.tensor_parallel_size)
         model_dir = config.model_dir()
         engine_config = config.engine_config(pool, str(model_dir), model_identity(model_dir))
-        self.registry_config = PrefixRegistryConfig(name=config.registry_name)
+        # The one the application's routers ask: its own unless the config names one.
+        self.registry_config = config.prefix_registry(context.app_name)
         self.board_name = config.status_board_name
         self.registry = get_or_create_registry(self.registry_config)
         self.board = get_or_create_board(self.board_name)

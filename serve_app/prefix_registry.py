@@ -12,7 +12,10 @@ wrong answer only costs a recompute, because the engine confirms every block by
 its token ids before reusing it.
 
 `PrefixIndex` is the data structure (plain Python, testable without Ray);
-`PrefixRegistry` is the actor around it, one per cluster, named and detached.
+`PrefixRegistry` is the actor around it, named and detached: one per Serve application
+(`app_registry_name`), unless applications name one to share (`AppConfig.registry_name`).
+Replica ids and block hashes mean something only within the application whose replicas
+published them, so applications on one cluster never share a registry by default.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ __all__ = [
     "PrefixRegistry",
     "PrefixRegistryConfig",
     "RegistryLookup",
+    "app_registry_name",
     "get_or_create_registry",
+    "remove_registry",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,13 +49,27 @@ logger = logging.getLogger(__name__)
 # whether or not its cache changed.
 HEARTBEAT_S = 10.0
 
+# The Ray namespace of every registry actor (the status board's too).
+REGISTRY_NAMESPACE = "baton"
+# What an application's own registry is named after (`app_registry_name`).
+REGISTRY_NAME_PREFIX = "baton-prefix-registry"
+
+
+def app_registry_name(app_name: str) -> str:
+    """The name of Serve application `app_name`'s own registry: what its router and
+    replicas use unless its config names one (`AppConfig.registry_name`). Distinct for
+    distinct applications, so no application's routing hears of another's replicas."""
+    return f"{REGISTRY_NAME_PREFIX}-{app_name}"
+
 
 @dataclass(frozen=True)
 class PrefixRegistryConfig:
+    # The actor's name (in `namespace`): an application's own (`app_registry_name`), or
+    # the one its config names.
+    name: str
     # One entry is one (block hash, replica) pair, about 300 bytes all told.
     max_entries: int = 1_000_000
-    name: str = "baton-prefix-registry"
-    namespace: str = "baton"
+    namespace: str = REGISTRY_NAMESPACE
     # A replica not heard from for this long (no events, no heartbeat: it crashed, or
     # its node went) is forgotten with all it held. Replicas heartbeat every
     # HEARTBEAT_S, so a live one never comes near it.
@@ -222,13 +241,13 @@ class PrefixRegistry:
         return self._index.stats()
 
 
-def get_or_create_registry(config: PrefixRegistryConfig | None = None) -> ray.actor.ActorHandle:
-    """The cluster's registry actor, started on first use (Ray must be initialised).
+def get_or_create_registry(config: PrefixRegistryConfig) -> ray.actor.ActorHandle:
+    """The named registry actor, started on first use (Ray must be initialised).
 
-    Detached, so it outlives whichever process created it; when it already exists,
-    its original `max_entries` and `replica_ttl_s` stay in force.
+    Detached, so it outlives whichever process created it (until `remove_registry`, which
+    `baton stop` calls for an application's own); when it already exists, its original
+    `max_entries` and `replica_ttl_s` stay in force.
     """
-    config = config or PrefixRegistryConfig()
     actor = ray.remote(PrefixRegistry).options(
         name=config.name,
         namespace=config.namespace,
@@ -240,6 +259,18 @@ def get_or_create_registry(config: PrefixRegistryConfig | None = None) -> ray.ac
         max_restarts=-1,
     )
     return actor.remote(config.max_entries, config.replica_ttl_s)
+
+
+def remove_registry(name: str, namespace: str = REGISTRY_NAMESPACE) -> bool:
+    """Kills the named registry actor for good (Ray must be initialised); False if there
+    is none. For an application's own registry once the application is deleted: while
+    any of its replicas or routers runs, they would only start a new, empty one."""
+    try:
+        actor = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    ray.kill(actor, no_restart=True)
+    return True
 
 
 class RegistryLookup:

@@ -49,7 +49,7 @@ from serve_app.openai_responses import (
     without_completion,
 )
 from serve_app.output_mux import OutputDemux
-from serve_app.prefix_registry import PrefixRegistryConfig, RegistryLookup
+from serve_app.prefix_registry import RegistryLookup
 from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
 from serve_app.stream_merge import merge_streams
@@ -126,14 +126,14 @@ class Router(HealthService):
             role: config.engine_config(p, str(model_dir), self.model_id).resolved_dtype_name()
             for role, p in config.pools().items()
         }
-        self.registry = RegistryLookup(
-            PrefixRegistryConfig(name=config.registry_name), wait_s=REGISTRY_WAIT_S
-        )
+        app_name = serve.get_replica_context().app_name
+        # This application's registry: its own unless the config names a shared one.
+        self.registry = RegistryLookup(config.prefix_registry(app_name), wait_s=REGISTRY_WAIT_S)
         # `_by_reference` is Serve's switch between its two handle channels (see
         # config.OutputChannel); a decode replica's prefill call is always an actor call
         # (engine_server.py), as its result carries ObjectRefs to the exported KV.
         self.pool = pool.options(stream=True, _by_reference=config.output_channel == "actor_call")
-        self.metrics = RouterMetrics(serve.get_replica_context().app_name)
+        self.metrics = RouterMetrics(app_name)
         self.demux = OutputDemux(self.pool.subscribe.remote)
 
     def __del__(self) -> None:

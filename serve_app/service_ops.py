@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from serve_app.config import AppConfig
+from serve_app.prefix_registry import app_registry_name, remove_registry
 from serve_app.serve_config import (
     APP_NAME,
     GRPC_PORT,
@@ -340,18 +341,21 @@ class Stopped:
 
 
 def stop(app_name: str = APP_NAME) -> Stopped:
-    """Deletes the application, and Serve too when no other application is left on it:
-    a cluster joined through RAY_ADDRESS keeps its other applications, and Ray."""
+    """Deletes the application and its own prefix registry, and Serve too when no other
+    application is left on it: a cluster joined through RAY_ADDRESS keeps its other
+    applications, and Ray."""
     from serve_app.node_drain import raylets
 
     apps = set(serve.status().applications)  # empty when Serve is not running
     if app_name in apps:
-        serve.delete(app_name)
+        serve.delete(app_name)  # waits until its replicas and routers are gone
     # Forgotten even where Serve had no such app (deleted by other means): a later
     # `baton scale` must not bring back what was stopped.
     board = find_board(DEFAULT_BOARD_NAME)
-    if board is not None:
-        ray.get(board.set_config.remote(app_name, None))
+    record = None if board is None else ray.get(board.set_config.remote(app_name, None))
+    registry = own_registry(app_name, record)
+    if registry is not None and remove_registry(registry):
+        log.info("removed application %r's prefix registry %r", app_name, registry)
     others = apps - {app_name}
     if apps and not others:
         serve.shutdown()
@@ -364,6 +368,15 @@ def stop(app_name: str = APP_NAME) -> Stopped:
             LOCAL_HEAD_RESOURCE in n["Resources"] and n["NodeID"] in local for n in heads
         ),
     )
+
+
+def own_registry(app_name: str, record: dict[str, Any] | None) -> str | None:
+    """The prefix registry that only `app_name` uses, for `stop` to remove with it: the
+    application's own, unless its `baton serve` config (`record`, as kept on the board)
+    named one, which other applications may share on purpose and is left to them."""
+    # Read as stored, not validated: a config an earlier Baton kept still names it.
+    named = ((record or {}).get("config") or {}).get("registry_name")
+    return None if named else app_registry_name(app_name)
 
 
 def stop_local_head() -> None:

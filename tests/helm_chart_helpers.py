@@ -93,8 +93,9 @@ AGGREGATED = {
     "mode": "aggregated",
     "aggregated": {"replicas": 2, "replica": {"maxQueuedRequests": None}},
 }
-# One machine's pools: decode takes short prompts and prefill-pool backlogs itself.
-SELECTIVE = {"localPrefillTokens": 16, "maxPendingPrefills": 4}
+# One machine's pools: decode takes short prompts and prefill-pool backlogs itself; and
+# a prefix registry named to share with another application on the cluster.
+SELECTIVE = {"localPrefillTokens": 16, "maxPendingPrefills": 4, "registryName": "shared-prefixes"}
 # A model from a PersistentVolumeClaim, a bounded /dev/shm, a longer stop for decode,
 # extra environment.
 MODEL_VOLUME = {

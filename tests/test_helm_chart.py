@@ -107,6 +107,7 @@ def test_lint_strict_is_clean(values):
         ({"maxPendingPrefills": 0}, ["/maxPendingPrefills", "minimum"]),
         ({"localPrefillTokens": -1}, ["/localPrefillTokens", "minimum"]),
         ({"apiKey": {"secretName": "keys", "secretKey": ""}}, ["/apiKey/secretKey"]),
+        ({"registryName": ""}, ["/registryName", "minLength"]),
         (
             {"prefill": {"tensorParallelSize": 3}},
             ["prefill pods have 2 CPUs", "needs 4", "prefill.tensorParallelSize=3"],

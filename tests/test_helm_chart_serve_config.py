@@ -128,7 +128,8 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "max_pending_prefills": v.get("maxPendingPrefills"),
             "stream_interval": v["streamInterval"],
             "output_channel": v["outputChannel"],
-            "registry_name": v["registryName"],
+            # null (Helm drops the key): the application's own registry.
+            "registry_name": v.get("registryName"),
             # The Secret's mount (test_helm_chart_pods.py); the keys stay out of the config.
             "api_key_file": "/etc/baton/api-keys/keys" if v["apiKey"]["secretName"] else None,
             "router": {
@@ -150,3 +151,13 @@ def test_the_application_carries_every_value(chart, values):
     assert app_config_of(app) == expected
     # Counts and autoscaling only in the overrides: Serve versions replicas by the args.
     assert AppConfig.model_validate(app["args"]) == expected.without_scale()
+
+
+def test_by_default_the_application_gets_a_prefix_registry_of_its_own(chart):
+    # No name in its args: the replicas derive the application's own (AppConfig
+    # .prefix_registry), so no other application on the cluster shares it.
+    (app,) = _serve_config(_rayservice(_render(chart, {})))["applications"]
+    assert "registry_name" not in app["args"]
+    assert app_config_of(app).registry_name is None
+    (app,) = _serve_config(_rayservice(_render(chart, {"registryName": "shared"})))["applications"]
+    assert app["args"]["registry_name"] == "shared"

@@ -7,12 +7,15 @@ import time
 
 import pytest
 
+from serve_app import prefix_registry
 from serve_app.prefix_registry import (
     HEARTBEAT_S,
     PrefixIndex,
     PrefixRegistryConfig,
     RegistryLookup,
+    app_registry_name,
     get_or_create_registry,
+    remove_registry,
 )
 from workers.engine.block_hash import BlockHash, hash_full_blocks, root_hash
 
@@ -132,7 +135,7 @@ def test_a_replica_gets_a_new_session_whenever_the_index_forgot_it():
 
 def test_a_ttl_within_the_heartbeat_is_refused():
     with pytest.raises(ValueError, match="replica_ttl_s must exceed"):
-        PrefixRegistryConfig(replica_ttl_s=HEARTBEAT_S)
+        PrefixRegistryConfig(name="r", replica_ttl_s=HEARTBEAT_S)
 
 
 def test_restoring_an_entry_refreshes_it():
@@ -180,7 +183,7 @@ def test_bad_input_is_refused_with_a_hint():
     with pytest.raises(ValueError, match="max_entries"):
         PrefixIndex(0)
     with pytest.raises(ValueError, match="max_entries"):
-        PrefixRegistryConfig(max_entries=0)
+        PrefixRegistryConfig(name="r", max_entries=0)
     index = PrefixIndex(10)
     with pytest.raises(ValueError, match="BlockHash"):
         index.publish("r1", [PROMPT[0].digest], [])
@@ -189,6 +192,34 @@ def test_bad_input_is_refused_with_a_hint():
     with pytest.raises(ValueError, match="BlockHash"):
         index.longest_prefixes([PROMPT[0].hex()])
     assert index.stats()["entries"] == 0
+    with pytest.raises(ValueError, match="name and namespace must be non-empty"):
+        PrefixRegistryConfig(name="")
+
+
+def test_each_application_has_a_registry_name_of_its_own():
+    names = {app: app_registry_name(app) for app in ("baton", "other", "baton-other", "")}
+    assert len(set(names.values())) == len(names)
+    assert names["baton"] == "baton-prefix-registry-baton"
+    assert app_registry_name("other") == names["other"]  # every replica finds the same one
+    with pytest.raises(TypeError):
+        PrefixRegistryConfig()  # no cluster-wide default every application would share
+
+
+def test_removing_a_registry_kills_it_for_good_and_a_missing_one_is_no_error(monkeypatch):
+    actors, killed = {("baton-prefix-registry-a", "baton"): "actor-a"}, []
+
+    def get_actor(name, namespace):
+        if (name, namespace) not in actors:
+            raise ValueError(f"Failed to look up actor with name {name!r}")
+        return actors[name, namespace]
+
+    monkeypatch.setattr(prefix_registry.ray, "get_actor", get_actor)
+    monkeypatch.setattr(
+        prefix_registry.ray, "kill", lambda actor, no_restart: killed.append((actor, no_restart))
+    )
+    assert remove_registry("baton-prefix-registry-a")
+    assert not remove_registry("baton-prefix-registry-b")
+    assert killed == [("actor-a", True)]
 
 
 # -- the actor on a real Ray ------------------------------------------------------------

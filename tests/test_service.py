@@ -48,7 +48,7 @@ from serve_app import service_ops
 from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.grpc_api import baton_pb2 as pb
-from serve_app.prefix_registry import PrefixRegistryConfig
+from serve_app.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
 from serve_app.prompts import ModelFrontend, PromptInput
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
@@ -573,6 +573,11 @@ def test_status_shows_each_replicas_role_dtype_and_tp(service):
     assert "aggregated" not in text  # the other application's replica
 
 
+def _registry(app: str = "disagg"):
+    """The application's own prefix registry (neither application names one)."""
+    return ray.get_actor(app_registry_name(app), namespace=REGISTRY_NAMESPACE)
+
+
 def _cached_prompt_hashes(disagg, model_dir, text: str) -> list:
     """The block hashes of a prompt the replicas have just cached, once the registry holds
     them."""
@@ -580,19 +585,16 @@ def _cached_prompt_hashes(disagg, model_dir, text: str) -> list:
     frontend = ModelFrontend(model_dir, model_identity(model_dir), 16, 1088)
     ids = frontend.tokenize(PromptInput(text=text))
     hashes = frontend.build_request("q", ids, SamplingParams(max_tokens=1), None).block_hashes
-    config = PrefixRegistryConfig()
-    registry = ray.get_actor(config.name, namespace=config.namespace)
-    _wait_until_known(registry, hashes, "the registry never heard of a cached prompt")
+    _wait_until_known(_registry(), hashes, "the registry never heard of a cached prompt")
     return hashes
 
 
 def _wait_until_told_again(disagg, hashes, prompt: str) -> None:
     """Until the registry (a new or restarted one) holds `hashes` again: replicas resend
     their cache with an engine step, so they are given steps to take."""
-    config = PrefixRegistryConfig()
     deadline = time.monotonic() + 30
     while True:
-        registry = ray.get_actor(config.name, namespace=config.namespace)
+        registry = _registry()
         try:
             if _holds(registry, hashes):
                 return
@@ -603,11 +605,21 @@ def _wait_until_told_again(disagg, hashes, prompt: str) -> None:
         time.sleep(1)
 
 
+def test_each_application_routes_by_a_prefix_registry_of_its_own(disagg, smollm2_dir):
+    """Two applications on one cluster: "agg" never hears of "disagg"'s replicas or
+    blocks (their ids would mean nothing to its request router)."""
+    text = "A prompt only the disaggregated application caches. " * 4
+    hashes = _cached_prompt_hashes(disagg, smollm2_dir, text)
+    own = ray.get(_registry("disagg").longest_prefixes.remote(hashes))
+    other = ray.get(_registry("agg").longest_prefixes.remote(hashes))
+    assert own and not set(own) & set(other), (own, other)
+    assert len(hashes) not in other.values()
+
+
 def test_losing_the_prefix_registry_costs_routing_hints_not_requests(disagg, smollm2_dir):
     earlier = "A prompt the replicas cache before their prefix registry is lost. " * 4
     hashes = _cached_prompt_hashes(disagg, smollm2_dir, earlier)
-    config = PrefixRegistryConfig()
-    ray.kill(ray.get_actor(config.name, namespace=config.namespace))
+    ray.kill(_registry())
     prompt = "A prompt long enough to be hashed and looked up in the registry. " * 4
     assert disagg.generate_unary(_greedy(prompt, max_tokens=4)).usage.completion_tokens == 4
     # The router started a new registry; the replicas, finding theirs gone, publish to it
@@ -620,8 +632,7 @@ def test_a_registry_restarted_empty_hears_every_replicas_cache_again(disagg, smo
     replicas learn it forgot them from the new session their next publish returns."""
     earlier = "A prompt the replicas cache before their prefix registry restarts. " * 4
     hashes = _cached_prompt_hashes(disagg, smollm2_dir, earlier)
-    config = PrefixRegistryConfig()
-    ray.kill(ray.get_actor(config.name, namespace=config.namespace), no_restart=False)
+    ray.kill(_registry(), no_restart=False)
     _wait_until_told_again(disagg, hashes, "Another prompt, to give the replicas steps. " * 4)
 
 

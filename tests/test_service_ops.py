@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -16,6 +17,7 @@ from serve_app import app as app_module
 from serve_app import node_drain, service_ops
 from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, AutoscalingConfig, PoolConfig
+from serve_app.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
 from serve_app.serve_config import (
     APP_NAME,
     DEPLOYMENT_NAMES,
@@ -155,6 +157,9 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     )
     assert not stopped.serve_shut_down
     assert set(serve.status().applications) == {"neighbour"}
+    # Each application had a prefix registry of its own; only the stopped one's went.
+    wait_for(lambda: not _registry_exists(APP_NAME), "the stopped application's registry to go")
+    assert _registry_exists("neighbour")
     # What was stopped stays stopped: scale refuses rather than deploying it again.
     assert service_ops.deployed() is None
     with pytest.raises(ValueError, match="no application 'baton' is deployed"):
@@ -163,10 +168,68 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     assert stopped == service_ops.Stopped(app_deleted=True, apps_left=(), local_head=False)
     assert stopped.serve_shut_down
     assert not serve.status().applications
+    wait_for(lambda: not _registry_exists("neighbour"), "the neighbour's registry to go")
     stopped = service_ops.stop()
     assert stopped == service_ops.Stopped(app_deleted=False, apps_left=(), local_head=False)
     assert not stopped.serve_shut_down
     assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 16
+
+
+def _registry_exists(app: str) -> bool:
+    try:
+        ray.get_actor(app_registry_name(app), namespace=REGISTRY_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def test_stop_removes_the_applications_own_registry_but_not_a_named_one():
+    assert service_ops.own_registry("a", None) == app_registry_name("a")
+    assert service_ops.own_registry("a", {"config": {}}) == app_registry_name("a")
+    unnamed = {"config": {"registry_name": None}, "route_prefix": "/"}
+    assert service_ops.own_registry("a", unnamed) == app_registry_name("a")
+    # Named (perhaps shared with other applications, as an earlier Baton's default was).
+    for name in ("shared-prefixes", "baton-prefix-registry"):
+        assert service_ops.own_registry("a", {"config": {"registry_name": name}}) is None
+
+
+@pytest.mark.parametrize(
+    ("record", "removed"),
+    [
+        (None, [app_registry_name("second")]),
+        ({"config": {}, "route_prefix": "/second"}, [app_registry_name("second")]),
+        ({"config": {"registry_name": "shared"}, "route_prefix": "/second"}, []),
+    ],
+)
+def test_stopping_an_application_removes_its_registry_after_the_application(
+    monkeypatch, record, removed
+):
+    # Serve, the board and Ray stood in for: the order of what `stop` does.
+    events = []
+    apps = {"baton": None, "second": None}
+    monkeypatch.setattr(
+        service_ops.serve, "status", lambda: SimpleNamespace(applications=dict(apps))
+    )
+    monkeypatch.setattr(service_ops.serve, "delete", lambda name: events.append(("delete", name)))
+    monkeypatch.setattr(service_ops.serve, "shutdown", lambda: events.append(("shutdown",)))
+
+    def set_config(app_name, config):
+        events.append(("forget", app_name))
+        return record
+
+    board = SimpleNamespace(set_config=SimpleNamespace(remote=set_config))
+    monkeypatch.setattr(service_ops, "find_board", lambda name: board)
+    monkeypatch.setattr(service_ops.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(service_ops.ray, "nodes", lambda: [])
+    monkeypatch.setattr(node_drain, "raylets", lambda: {})
+    monkeypatch.setattr(
+        service_ops, "remove_registry", lambda name: events.append(("remove", name)) or True
+    )
+    stopped = service_ops.stop("second")
+    assert stopped == service_ops.Stopped(app_deleted=True, apps_left=("baton",), local_head=False)
+    assert events == [("delete", "second"), ("forget", "second")] + [
+        ("remove", name) for name in removed
+    ]
 
 
 @pytest.mark.parametrize("own", [None, "45"])

@@ -263,7 +263,6 @@ to equality, so a change to one must be made in the other.
     "handoff_timeout_s" $v.handoffTimeoutS
     "local_prefill_tokens" $v.localPrefillTokens
     "stream_interval" $v.streamInterval
-    "registry_name" $v.registryName
     "router" (dict
       "num_cpus" $v.router.numCpus
       "resources" (include "baton.routerResources" . | fromJson)
@@ -273,6 +272,9 @@ to equality, so a change to one must be made in the other.
 {{- end }}
 {{- if $v.outputChannel }}
 {{- $_ := set $args "output_channel" $v.outputChannel }}
+{{- end }}
+{{- if $v.registryName }}
+{{- $_ := set $args "registry_name" $v.registryName }}
 {{- end }}
 {{- if $v.model.servedModelName }}
 {{- $_ := set $args "served_model_name" $v.model.servedModelName }}

@@ -1,0 +1,44 @@
+"""serve_app/config.py's rules that need neither a model nor Serve (the model-bound ones
+are in test_app.py): which prefix registry an application's router and replicas use."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from serve_app.config import AppConfig
+from serve_app.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
+from serve_app.serve_config import serve_config
+from serve_app.service_ops import Deployed
+
+
+def test_applications_on_one_cluster_get_a_registry_each_by_default():
+    config = AppConfig()
+    assert config.registry_name is None
+    names = {app: config.prefix_registry(app).name for app in ("baton", "other", "second-model")}
+    assert len(set(names.values())) == 3, names
+    assert names["baton"] == app_registry_name("baton")
+    assert config.prefix_registry("baton").namespace == REGISTRY_NAMESPACE
+    # Nothing in the deployed config names one: each replica finds its application's.
+    (app,) = serve_config(config)["applications"]
+    assert "registry_name" not in app["args"]
+    record = Deployed(config, "/", "v1").to_record()
+    assert Deployed.from_record("baton", record).config.registry_name is None
+
+
+def test_a_registry_name_set_on_several_applications_shares_one_on_purpose():
+    config = AppConfig(registry_name="shared-prefixes")
+    assert {config.prefix_registry(app).name for app in ("baton", "other")} == {"shared-prefixes"}
+    # As an earlier Baton's `baton serve` kept its default: still that shared registry.
+    legacy = AppConfig.model_validate({"registry_name": "baton-prefix-registry"})
+    assert legacy.prefix_registry("other").name == "baton-prefix-registry"
+
+
+def test_a_registry_name_is_non_empty_and_not_the_status_boards():
+    with pytest.raises(ValidationError) as err:
+        AppConfig(registry_name="")
+    assert "registry_name" in str(err.value) and "at least 1 character" in str(err.value)
+    with pytest.raises(ValidationError, match="registry_name and status_board_name must name"):
+        AppConfig(registry_name="baton-status")
+    with pytest.raises(ValidationError, match="must name different actors"):
+        AppConfig(registry_name="mine", status_board_name="mine")
