@@ -31,7 +31,7 @@ The services run twice: streaming every token (stream_interval 1, the default: "
 serving path (the router -> client hop, one gRPC message per stream each time; the
 engine -> router hop carries one message per engine step whatever the setting).
 
-    .venv/bin/python bench/service.py [--rounds 2] [--agg-threads 2] [--decode-threads 2]
+    .venv/bin/python bench/service.py [--rounds 2] [--model DIR] [--agg-threads 2] [--decode-threads 2]
         [--stream-interval 4] [--max-pending-prefills 4] [--dtype float32]
         [--systems [agg disagg ...]] [--transports [object_store nixl]]
 
@@ -70,7 +70,6 @@ from serve_app.serve_config import GRPC_SERVICER_FUNCTIONS
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
-from workers.model.default_model import ensure_default_model
 
 NEW_TOKENS = 128
 PROMPT_TOKENS = 32
@@ -202,6 +201,7 @@ def app_configs(args: argparse.Namespace) -> dict[str, AppConfig]:
     apps = {}
     for suffix, interval in (("", 1), (f"_si{si}", si)):
         apps[f"agg{suffix}"] = AppConfig(
+            model=args.model,
             mode="aggregated",
             enable_prefix_caching=False,
             stream_interval=interval,
@@ -209,6 +209,7 @@ def app_configs(args: argparse.Namespace) -> dict[str, AppConfig]:
         )
         for transport in TRANSPORTS if interval == 1 else (AppConfig().kv_transport(),):
             apps[f"disagg_{transport}{suffix}"] = AppConfig(
+                model=args.model,
                 mode="disaggregated",
                 transport=transport,
                 enable_prefix_caching=False,
@@ -267,7 +268,7 @@ class Deployed:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    model_dir = ensure_default_model()
+    model_dir = AppConfig(model=args.model).model_dir()
     threads = min(2, cpu_count())
     ray.init(
         address="local",
@@ -378,6 +379,12 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="a local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct); "
+        "a tiny one shows what the serving path alone can carry",
+    )
     parser.add_argument("--agg-threads", type=int, default=min(2, cpu_count()))
     parser.add_argument("--prefill-threads", type=int, default=min(2, cpu_count()))
     parser.add_argument("--decode-threads", type=int, default=min(2, cpu_count()))
