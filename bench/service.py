@@ -31,8 +31,8 @@ The services run twice: streaming every token (stream_interval 1, the default: "
 serving path (the router -> client hop, one gRPC message per stream each time; the
 engine -> router hop carries one message per engine step whatever the setting).
 
-    .venv/bin/python bench/service.py [--rounds 2] [--model DIR] [--agg-threads 2] [--decode-threads 2]
-        [--stream-interval 4] [--max-pending-prefills 4] [--dtype float32]
+    .venv/bin/python bench/service.py [--rounds 2] [--model DIR] [--agg-threads 2]
+        [--decode-threads 2] [--stream-interval 4] [--max-pending-prefills 4] [--dtype float32]
         [--systems [agg disagg ...]] [--transports [object_store nixl]]
 
 Every engine, in process or in a pool, runs in --dtype (bfloat16: the fast path on CPUs
@@ -286,6 +286,8 @@ async def main_async(args: argparse.Namespace) -> None:
     engine = AsyncEngine.from_config(
         EngineConfig(
             model=str(model_dir),
+            # The pools here are CPU pools; "auto" would take a GPU where there is one.
+            device="cpu",
             num_threads=threads,
             enable_prefix_caching=False,
             dtype=args.dtype,
