@@ -196,9 +196,9 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
 
 
 def test_a_decode_step_takes_sdpa_output_in_any_memory_layout(monkeypatch):
-    # torch 2.11's CUDA SDPA returned a layout that no view of [tokens, Hq * D] fits, and
-    # every pure-decode step of 2+ sequences on the gathered path (CUDA, or a CPU without
-    # Baton's kernels) then failed.
+    # torch 2.11's CUDA SDPA in float32 returned a layout that no view of [tokens, Hq * D]
+    # fits, and every pure-decode step of 2+ sequences on the gathered path (CUDA, or a
+    # CPU without Baton's kernels) then failed.
     sdpa = F.scaled_dot_product_attention
 
     def d_major(*args, **kwargs):  # [kv, batch, group, D] stored as [batch, D, kv, group]

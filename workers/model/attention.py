@@ -113,8 +113,8 @@ class PagedAttention(nn.Module):
         tokens = q.shape[0]
         if not meta.prefills:  # the common pure-decode step: no scatter into a buffer
             # reshape, not view: SDPA's output layout is its own (torch 2.11's CUDA SDPA
-            # gave one that no view of [tokens, Hq * D] fits at batch > 1), the kernel's
-            # is contiguous.
+            # in float32 gave one that no view of [tokens, Hq * D] fits at batch > 1),
+            # the kernel's is contiguous.
             return self._decode(q, meta).reshape(tokens, -1)
         out = torch.empty_like(q)
         if meta.num_decode:
