@@ -20,22 +20,15 @@ def app_configs(args: argparse.Namespace) -> dict[str, AppConfig]:
     si = args.stream_interval
     apps = {}
     for suffix, interval in (("", 1), (f"_si{si}", si)):
-        apps[f"agg{suffix}"] = AppConfig(
-            model=args.model,
-            mode="aggregated",
-            enable_prefix_caching=False,
-            stream_interval=interval,
-            aggregated=agg_pool,
-        )
+        common = {"model": args.model, "enable_prefix_caching": False, "stream_interval": interval}
+        apps[f"agg{suffix}"] = AppConfig(mode="aggregated", aggregated=agg_pool, **common)
         for transport in TRANSPORTS if interval == 1 else (AppConfig().kv_transport(),):
             apps[f"disagg_{transport}{suffix}"] = AppConfig(
-                model=args.model,
                 mode="disaggregated",
                 transport=transport,
-                enable_prefix_caching=False,
-                stream_interval=interval,
                 prefill=PoolConfig(num_threads=args.prefill_threads, dtype=args.dtype),
                 decode=PoolConfig(num_threads=args.decode_threads, dtype=args.dtype),
+                **common,
             )
     # The router's other output channel, for comparison (config.OutputChannel).
     apps["agg_actor_call"] = apps["agg"].model_copy(update={"output_channel": "actor_call"})
