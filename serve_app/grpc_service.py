@@ -84,6 +84,7 @@ def _logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
         token_id=lp.token_id,
         logprob=lp.logprob,
         top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        rank=lp.rank,
     )
 
 

@@ -86,6 +86,9 @@ class _Request(_Body):
     skip_special_tokens: bool = True
     # As vLLM: a salt, if given, is not empty (gRPC's proto3 "" is no salt).
     cache_salt: str | None = Field(default=None, min_length=1)
+    # vLLM's: each prompt token's logprob, rank and this many alternatives, in the
+    # response's `prompt_logprobs` (vLLM's -1, the whole vocabulary, is out of range).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -103,6 +106,16 @@ class _Request(_Body):
             )
         return self
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> _Request:
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs: not available with stream: true (as in vLLM); send the "
+                "request unstreamed, or use echo with logprobs on /v1/completions",
+                param="prompt_logprobs",
+            )
+        return self
+
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -111,7 +124,11 @@ class _Request(_Body):
         checks against the model name the prompt `prompt` and the budget `max_tokens`."""
         return error
 
-    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _params(
+        self, max_tokens: int, logprobs: int | None, echoed_logprobs: int | None = None
+    ) -> SamplingParams:
+        """`echoed_logprobs`: the alternatives an echoed prompt's logprobs show; the engine
+        computes the most that either they or `prompt_logprobs` ask for."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         logit_bias = self._logit_bias()
         try:
@@ -125,6 +142,10 @@ class _Request(_Body):
                 stop_token_ids=tuple(self.stop_token_ids),
                 stop=tuple(stop),
                 logprobs=logprobs,
+                prompt_logprobs=max(
+                    (n for n in (self.prompt_logprobs, echoed_logprobs) if n is not None),
+                    default=None,
+                ),
                 skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
@@ -222,10 +243,12 @@ class CompletionRequest(_Request):
         if max_tokens is None:
             default = max(DEFAULT_COMPLETION_MAX_TOKENS, self.min_tokens)
             max_tokens = min(default, default_budget_room(room, self.min_tokens))
-        params = self._params(max(max_tokens, 1), self.logprobs)
-        if self.echo and self.logprobs is not None:
-            return replace(params, prompt_logprobs=self.logprobs)
-        return params
+        return self._params(max(max_tokens, 1), self.logprobs, self.echoed_logprobs)
+
+    @property
+    def echoed_logprobs(self) -> int | None:
+        """The alternatives an echoed prompt's logprobs show: `logprobs`, with echo."""
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(_Body):

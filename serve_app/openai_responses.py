@@ -62,10 +62,13 @@ def usage(lasts: list[RequestOutput]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Echo:
-    """A completion request's prompt, to echo before its choices' text (`echo`)."""
+    """A completion request's prompt, to echo before its choices' text (`echo`), with the
+    alternatives its logprobs show (the request's `logprobs`; the engine may have computed
+    more, for `prompt_logprobs`)."""
 
     text: str
     token_ids: list[int]
+    top_n: int
 
 
 # A completion logprobs entry: a token and its logprob (None: an echoed first token).
@@ -83,9 +86,12 @@ class ResponseBuilder:
         decode_token: Callable[[int], str],
         token_bytes: Callable[[int], bytes],
         echo: Echo | None = None,
+        prompt_logprobs: int | None = None,
     ):
         self.chat = chat
         self.echo = echo
+        # vLLM's `prompt_logprobs` field: the alternatives it shows, None if not asked.
+        self.prompt_logprobs = prompt_logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
@@ -107,7 +113,26 @@ class ResponseBuilder:
         if out.prompt_logprobs is None:
             return self.echo.text, []
         first = (self.echo.token_ids[0], None)  # no context before it: no logprob
-        return self.echo.text, [first, *((lp.token_id, lp) for lp in out.prompt_logprobs)]
+        shown = [replace(lp, top=lp.top[: self.echo.top_n]) for lp in out.prompt_logprobs]
+        return self.echo.text, [first, *((lp.token_id, lp) for lp in shown)]
+
+    def _vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token (the first, with no context, None),
+        its own logprob and rank and the top alternatives, keyed by token id."""
+        if self.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float, rank: int | None) -> dict[str, Any]:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.decode_token(token)}
+
+        return [None] + [
+            {
+                str(t): entry(t, v, rank)
+                for rank, (t, v) in enumerate(lp.top[: self.prompt_logprobs], start=1)
+            }
+            | {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+            for lp in out.prompt_logprobs
+        ]
 
     def _logprobs(self, lps: list[TokenLogprob], index: int, prompt: list[_Entry] = ()) -> Any:
         if not lps and not prompt:
@@ -175,8 +200,10 @@ class ResponseBuilder:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
+                if self.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(outputs[0])
             body.append(choice)
-        return {
+        completion = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -184,6 +211,9 @@ class ResponseBuilder:
             "choices": body,
             "usage": usage([outputs[-1] for outputs in choices]),
         }
+        if self.chat and self.prompt_logprobs is not None:  # vLLM's: the request's, once
+            completion["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0][0])
+        return completion
 
     def chunk(self, out: RequestOutput, index: int = 0, include_usage: bool = False) -> str:
         """One SSE event for an output of choice `index`; a chat choice's first one also

@@ -39,7 +39,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "include_stop_str_in_output": ((False,), "a stop string is never part of the output"),
     "allowed_token_ids": ((), "restricting the vocabulary is not supported; use logit_bias"),
     "bad_words": (([],), "bad_words is not supported; use logit_bias"),
-    "prompt_logprobs": ((), "prompt logprobs come with echo and logprobs on /v1/completions"),
     "truncate_prompt_tokens": ((), "prompts are never truncated; shorten the prompt"),
     "add_generation_prompt": ((True,), "the generation prompt is always added"),
     "continue_final_message": ((False,), "a final assistant message is never continued"),

@@ -351,6 +351,7 @@ class Router(HealthService):
             self._token_text,
             self.frontend.tokenizer.token_bytes,
             self._echo(req, ids),
+            req.prompt_logprobs,
         )
         outputs = self.metrics.request(
             "http",
@@ -386,7 +387,7 @@ class Router(HealthService):
         text = req.prompt_input().text
         if text is None:
             text = self.frontend.tokenizer.decode(ids, skip_special_tokens=False)
-        return Echo(text, ids)
+        return Echo(text, ids, req.logprobs or 0)
 
     def _token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)

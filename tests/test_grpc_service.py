@@ -129,10 +129,11 @@ def test_outputs_merge_into_one_response_with_usage_at_the_end():
     assert [t.token_id for t in response.logprobs[0].top_logprobs] == [5, 6]
     assert not response_from_outputs("r", outs[:1]).HasField("usage")
     assert not response.prompt_logprobs  # not asked for
-    asked = [replace(outs[0], prompt_logprobs=[TokenLogprob(9, -3.0, ((4, -0.1),))]), outs[1]]
+    asked = [replace(outs[0], prompt_logprobs=[TokenLogprob(9, -3.0, ((4, -0.1),), 7)]), outs[1]]
     (prompt_lp,) = response_from_outputs("r", asked).prompt_logprobs
-    assert (prompt_lp.token_id, prompt_lp.logprob) == (9, -3.0)
+    assert (prompt_lp.token_id, prompt_lp.logprob, prompt_lp.rank) == (9, -3.0, 7)
     assert [(t.token_id, t.logprob) for t in prompt_lp.top_logprobs] == [(4, pytest.approx(-0.1))]
+    assert not response.logprobs[0].HasField("rank")  # a sampled token's: not computed
 
 
 def _wrapped(exc: BaseException) -> RayTaskError:

@@ -78,7 +78,7 @@ def _echoed_outputs() -> list[RequestOutput]:
 
 
 def test_an_echoed_completion_starts_with_the_prompt_and_its_logprobs():
-    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6]))
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6], 1))
     (choice,) = builder.complete([_echoed_outputs()])["choices"]
     assert choice["text"] == "abHi"
     lps = choice["logprobs"]
@@ -90,15 +90,46 @@ def test_an_echoed_completion_starts_with_the_prompt_and_its_logprobs():
 
 
 def test_an_echoed_stream_sends_the_prompt_once_per_choice_in_its_first_chunk():
-    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6]))
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6], 1))
     first, second = (_body(builder.chunk(o))["choices"][0] for o in _echoed_outputs())
     assert (first["text"], second["text"]) == ("abH", "i")
     assert first["logprobs"]["token_logprobs"] == [None, -2.0, -0.25]
     assert second["logprobs"]["text_offset"] == [9]
     # Without logprobs asked, the text alone.
-    plain = ResponseBuilder(False, "r", "m", str, bytes, Echo("ab", [5, 6]))
+    plain = ResponseBuilder(False, "r", "m", str, bytes, Echo("ab", [5, 6], 1))
     assert _body(plain.chunk(RequestOutput("r", [7], "H")))["choices"][0]["text"] == "abH"
     assert _body(plain.chunk(RequestOutput("r", [7], "H"), index=1))["choices"][0]["text"] == "abH"
+
+
+def test_vllm_prompt_logprobs_name_each_prompt_token_its_rank_and_alternatives():
+    # Computed with 2 alternatives (prompt_logprobs 2), echoed with logprobs 1.
+    prompt_lps = [TokenLogprob(6, -2.0, ((9, -0.1), (4, -1.0)), 3)]
+    outs = [
+        RequestOutput(
+            "r", [7], "H", [], True, FinishReason.LENGTH, 2, 1, prompt_logprobs=prompt_lps
+        )
+    ]
+    builder = ResponseBuilder(
+        False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6], top_n=1), 2
+    )
+    (choice,) = builder.complete([outs])["choices"]
+
+    def entry(logprob, rank, token):
+        return {"logprob": logprob, "rank": rank, "decoded_token": token}
+
+    assert choice["prompt_logprobs"] == [
+        None,  # the first prompt token: no context, as in vLLM's
+        {"9": entry(-0.1, 1, "<9>"), "4": entry(-1.0, 2, "<4>"), "6": entry(-2.0, 3, "<6>")},
+    ]
+    # The echo shows its own logprobs' one alternative, not the two computed.
+    assert choice["logprobs"]["top_logprobs"][1] == {"<9>": -0.1, "<6>": -2.0}
+    # Chat: once for the request, beside its choices.
+    chat = ResponseBuilder(True, "r", "m", lambda t: f"<{t}>", bytes, prompt_logprobs=0)
+    body = chat.complete([outs])
+    assert body["prompt_logprobs"] == [None, {"6": entry(-2.0, 3, "<6>")}]
+    assert "prompt_logprobs" not in body["choices"][0]
+    # Not asked: not there.
+    assert "prompt_logprobs" not in ResponseBuilder(True, "r", "m", str, bytes).complete([outs])
 
 
 def test_an_echo_of_the_prompt_alone_drops_the_sampled_token():
@@ -112,7 +143,7 @@ def test_an_echo_of_the_prompt_alone_drops_the_sampled_token():
     ((index, out),) = asyncio.run(main())
     assert (out.new_token_ids, out.new_text, out.new_logprobs) == ([], "", [])
     assert out.num_output_tokens == 0 and out.finish_reason is FinishReason.LENGTH
-    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6]))
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6], 1))
     body = builder.complete([[out]])
     assert body["choices"][0]["text"] == "ab" and body["usage"]["completion_tokens"] == 0
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -2.0]

@@ -43,7 +43,6 @@ def _completion(**fields):
         (ChatCompletionRequest, "add_generation_prompt", False, "accepted: true"),
         (ChatCompletionRequest, "chat_template_kwargs", {"x": 1}, "accepted: {}"),
         (ChatCompletionRequest, "modalities", ["text", "audio"], 'accepted: ["text"]'),
-        (CompletionRequest, "prompt_logprobs", 0, "leave it out"),
     ],
 )
 def test_unsupported_settings_are_refused_not_ignored(model, field, value, accepted):
@@ -77,6 +76,28 @@ def test_the_neutral_values_of_unsupported_fields_are_accepted(field):
     for value in UNSUPPORTED[field][0]:
         parse(ChatCompletionRequest, _chat(**{field: value}))  # raises if refused
         parse(CompletionRequest, _completion(**{field: value}))
+
+
+def test_prompt_logprobs_ask_the_engine_for_the_most_either_field_shows():
+    # vLLM's prompt_logprobs, alone or beside an echo's logprobs.
+    for body, want in (
+        (_completion(prompt_logprobs=3), 3),
+        (_completion(prompt_logprobs=3, echo=True, logprobs=5), 5),
+        (_completion(prompt_logprobs=4, echo=True, logprobs=1), 4),
+        (_chat(prompt_logprobs=0), 0),
+    ):
+        model = ChatCompletionRequest if "messages" in body else CompletionRequest
+        assert parse(model, body).sampling_params(room=50).prompt_logprobs == want
+    for body, model in (
+        (_completion(prompt_logprobs=21), CompletionRequest),
+        (_chat(prompt_logprobs=-1), ChatCompletionRequest),
+    ):
+        with pytest.raises(InvalidRequestError) as err:
+            parse(model, body)
+        assert err.value.param == "prompt_logprobs"
+    with pytest.raises(InvalidRequestError, match="not available with stream") as err:
+        parse(CompletionRequest, _completion(prompt_logprobs=1, stream=True))
+    assert err.value.param == "prompt_logprobs"
 
 
 def test_completions_echo_the_prompt_and_ask_for_its_logprobs_with_logprobs():

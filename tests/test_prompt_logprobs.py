@@ -49,6 +49,17 @@ def _expected(reference, prompt: list[int], top_n: int) -> list[tuple[int, float
     ]
 
 
+def _rank_bounds(reference, prompt: list[int]) -> list[tuple[int, int]]:
+    """Each target's rank under transformers' logprobs, as bounds: tokens within 1e-4 of
+    it may fall on either side in another implementation's rounding."""
+    with torch.no_grad():
+        logprobs = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)[:-1]
+    target = logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1))
+    above, near = logprobs > target + 1e-4, (logprobs - target).abs() <= 1e-4
+    lowest = above.sum(1) + 1
+    return list(zip(lowest.tolist(), (lowest + near.sum(1) - 1).tolist(), strict=True))
+
+
 def _close(got: list[TokenLogprob], expected) -> bool:
     assert [lp.token_id for lp in got] == [t for t, _, _ in expected]
     assert [[t for t, _ in lp.top] for lp in got] == [top for _, _, top in expected]
@@ -65,6 +76,15 @@ def test_prompt_logprobs_match_transformers_forward(model_dir, reference):
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt) - 1
         assert _close(out.prompt_logprobs, _expected(reference, prompt, 2))
+        ranks = [lp.rank for lp in out.prompt_logprobs]
+        bounds = _rank_bounds(reference, prompt)
+        assert all(lo <= r <= hi for r, (lo, hi) in zip(ranks, bounds, strict=True)), ranks
+        # Where the target is among the top 2, its rank is its place there.
+        for lp in out.prompt_logprobs:
+            top = [t for t, _ in lp.top]
+            assert (lp.rank <= 2) == (lp.token_id in top)
+            if lp.token_id in top:
+                assert lp.rank == top.index(lp.token_id) + 1
 
 
 def test_only_the_first_output_carries_them_and_only_when_asked(model_dir):

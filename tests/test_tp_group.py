@@ -53,12 +53,14 @@ def _steps() -> list[StepInput]:
     ]
 
 
-def _logits(runner) -> list[torch.Tensor]:
-    """Every step's sampling logits, then the prompt logprobs (targets', top-n's)."""
+def _logits(runner, ranks: bool = True) -> list[torch.Tensor]:
+    """Every step's sampling logits, then the prompt logprobs (targets', top-n's), then
+    the targets' ranks (which bf16's ties may reorder)."""
     outputs = [runner.execute(step) for step in _steps()]
     prompt = [r for o in outputs for r in o.prompt_logprobs.values()]
     assert len(prompt) == 1 and prompt[0].top_ids.shape == (27, 2)
-    return [o.logits for o in outputs] + [prompt[0].logprobs, prompt[0].top_logprobs]
+    scores = [prompt[0].logprobs, prompt[0].top_logprobs]
+    return [o.logits for o in outputs] + scores + ([prompt[0].ranks.float()] if ranks else [])
 
 
 @pytest.mark.parametrize(("tp", "heads", "kv_heads"), [(2, 4, 2), (4, 4, 4), (4, 8, 4)])
@@ -81,7 +83,8 @@ def test_tp_runs_in_bfloat16(ray_cluster, tmp_path):
     single = ModelRunner(spec.model_dir, spec.num_blocks, BLOCK, spec.max_model_len, spec.dtype)
     group = TPWorkerGroup(2, spec)
     try:
-        for expected, got in zip(_logits(single), _logits(group), strict=True):
+        pairs = zip(_logits(single, ranks=False), _logits(group, ranks=False), strict=True)
+        for expected, got in pairs:
             torch.testing.assert_close(got, expected, atol=5e-2, rtol=2e-2)
     finally:
         group.shutdown()

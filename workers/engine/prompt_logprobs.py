@@ -41,12 +41,13 @@ def record(seq: Sequence, rows: PromptLogprobRows) -> None:
     first = len(seq.prompt_logprobs)
     targets = seq.prompt_token_ids[first + 1 : first + 1 + len(rows.logprobs)]
     seq.prompt_logprobs.extend(
-        TokenLogprob(token, logprob, tuple(zip(ids, values, strict=True)))
-        for token, logprob, ids, values in zip(
+        TokenLogprob(token, logprob, tuple(zip(ids, values, strict=True)), rank)
+        for token, logprob, ids, values, rank in zip(
             targets,
             rows.logprobs.tolist(),
             rows.top_ids.tolist(),
             rows.top_logprobs.tolist(),
+            rows.ranks.tolist(),
             strict=True,
         )
     )

@@ -322,8 +322,11 @@ def _as_tuple(value: object, name: str) -> tuple:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The sampled token's log-probability and the top alternatives at that step."""
+    """The sampled token's log-probability and the top alternatives at that step; for a
+    prompt token (`prompt_logprobs`), also its rank in the model's distribution (1: the
+    most likely token), which vLLM's API reports."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = field(default=())
+    rank: int | None = None
