@@ -335,12 +335,17 @@ class ChatCompletionRequest(_Request):
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+def choice_params(params: SamplingParams, n: int, stream: bool) -> list[SamplingParams]:
     """Each of `n` choices' parameters: a seeded request's choices draw from seeds
-    seed, seed + 1, ... (as vLLM), else all would be the same."""
-    if params.seed is None:
-        return [params] * n
-    return [replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
+    seed, seed + 1, ... (as vLLM), else all would be the same. Unstreamed, only the first
+    choice computes the prompt's logprobs, which the response gives every choice (a
+    stream sends each choice's with its first chunk, before the others may have them)."""
+    choices = [params] * n
+    if params.seed is not None:
+        choices = [replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
+    if not stream and params.prompt_logprobs is not None:
+        choices[1:] = [replace(p, prompt_logprobs=None) for p in choices[1:]]
+    return choices
 
 
 _FIELDS = {

@@ -68,7 +68,7 @@ class Echo:
 
     text: str
     token_ids: list[int]
-    top_n: int
+    top_n: int | None  # None: logprobs not asked, so the echo has none
 
 
 # A completion logprobs entry: a token and its logprob (None: an echoed first token).
@@ -110,7 +110,7 @@ class ResponseBuilder:
         if self.echo is None or index in self._opened:
             return "", []
         self._opened.add(index)
-        if out.prompt_logprobs is None:
+        if out.prompt_logprobs is None or self.echo.top_n is None:
             return self.echo.text, []
         first = (self.echo.token_ids[0], None)  # no context before it: no logprob
         shown = [replace(lp, top=lp.top[: self.echo.top_n]) for lp in out.prompt_logprobs]
@@ -125,12 +125,13 @@ class ResponseBuilder:
         def entry(token: int, logprob: float, rank: int | None) -> dict[str, Any]:
             return {"logprob": logprob, "rank": rank, "decoded_token": self.decode_token(token)}
 
+        # The prompt token's own entry first, then the alternatives, as vLLM orders them.
         return [None] + [
-            {
+            {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+            | {
                 str(t): entry(t, v, rank)
                 for rank, (t, v) in enumerate(lp.top[: self.prompt_logprobs], start=1)
             }
-            | {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
             for lp in out.prompt_logprobs
         ]
 
@@ -187,7 +188,10 @@ class ResponseBuilder:
     def complete(self, choices: list[list[RequestOutput]]) -> dict[str, Any]:
         """The completion object; `choices[i]`: every output of choice i, in order."""
         body = []
+        shared = choices[0][0].prompt_logprobs  # computed by the first choice alone
         for index, outputs in enumerate(choices):
+            if outputs[0].prompt_logprobs is None and shared is not None:
+                outputs = [replace(outputs[0], prompt_logprobs=shared), *outputs[1:]]
             echoed, prompt = self._echoed(outputs[0], index)
             text = echoed + "".join(o.new_text for o in outputs)
             lps = self._logprobs([lp for o in outputs for lp in o.new_logprobs], index, prompt)

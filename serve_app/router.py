@@ -337,7 +337,7 @@ class Router(HealthService):
             ids = await self._tokenize(req.prompt_input())
             params = req.sampling_params(self.frontend.room_after(ids))
             choices = await self._engine_requests(
-                ids, openai_api.choice_params(params, req.n), req.cache_salt
+                ids, openai_api.choice_params(params, req.n, req.stream), req.cache_salt
             )
         except Exception as e:
             if req is not None and isinstance(e, InvalidRequestError):
@@ -387,7 +387,7 @@ class Router(HealthService):
         text = req.prompt_input().text
         if text is None:
             text = self.frontend.tokenizer.decode(ids, skip_special_tokens=False)
-        return Echo(text, ids, req.logprobs or 0)
+        return Echo(text, ids, req.logprobs)
 
     def _token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -387,6 +387,12 @@ def test_n_choices_are_n_requests_with_their_own_seeds():
             parse(CompletionRequest, _completion(n=bad))
         assert refused.value.param == "n"
     unseeded = SamplingParams(temperature=0.7)
-    assert choice_params(unseeded, 3) == [unseeded] * 3
-    seeds = [p.seed for p in choice_params(SamplingParams(seed=2**63 - 1), 3)]
+    assert choice_params(unseeded, 3, stream=False) == [unseeded] * 3
+    seeds = [p.seed for p in choice_params(SamplingParams(seed=2**63 - 1), 3, stream=False)]
     assert seeds == [2**63 - 1, 0, 1]
+    # The prompt's logprobs: computed once, by the first choice, unless each choice's
+    # first chunk must carry them.
+    scored = SamplingParams(prompt_logprobs=2, seed=1)
+    once = [p.prompt_logprobs for p in choice_params(scored, 3, stream=False)]
+    assert once == [2, None, None]
+    assert [p.prompt_logprobs for p in choice_params(scored, 3, stream=True)] == [2, 2, 2]

@@ -119,8 +119,10 @@ def test_vllm_prompt_logprobs_name_each_prompt_token_its_rank_and_alternatives()
 
     assert choice["prompt_logprobs"] == [
         None,  # the first prompt token: no context, as in vLLM's
-        {"9": entry(-0.1, 1, "<9>"), "4": entry(-1.0, 2, "<4>"), "6": entry(-2.0, 3, "<6>")},
+        {"6": entry(-2.0, 3, "<6>"), "9": entry(-0.1, 1, "<9>"), "4": entry(-1.0, 2, "<4>")},
     ]
+    # The prompt token's own entry first, as vLLM orders them.
+    assert list(choice["prompt_logprobs"][1]) == ["6", "9", "4"]
     # The echo shows its own logprobs' one alternative, not the two computed.
     assert choice["logprobs"]["top_logprobs"][1] == {"<9>": -0.1, "<6>": -2.0}
     # Chat: once for the request, beside its choices.
@@ -130,6 +132,25 @@ def test_vllm_prompt_logprobs_name_each_prompt_token_its_rank_and_alternatives()
     assert "prompt_logprobs" not in body["choices"][0]
     # Not asked: not there.
     assert "prompt_logprobs" not in ResponseBuilder(True, "r", "m", str, bytes).complete([outs])
+    # Echo without logprobs: the prompt's text, and no logprobs object for it, though the
+    # engine computed the prompt's logprobs for prompt_logprobs.
+    unscored = ResponseBuilder(False, "r", "m", str, bytes, Echo("ab", [5, 6], None), 2)
+    (choice,) = unscored.complete([outs])["choices"]
+    assert choice["text"] == "abH" and choice["logprobs"] is None
+    assert len(choice["prompt_logprobs"]) == 2
+
+
+def test_choices_after_the_first_show_the_first_ones_prompt_logprobs():
+    # Unstreamed, only the first choice computes them (openai_api.choice_params).
+    prompt_lps = [TokenLogprob(6, -2.0, ((9, -0.1),), 2)]
+    first = RequestOutput("a", [7], "H", [], True, FinishReason.LENGTH, 2, 1)
+    builder = ResponseBuilder(False, "r", "m", str, bytes, Echo("ab", [5, 6], 1), 1)
+    body = builder.complete(
+        [[replace(first, prompt_logprobs=prompt_lps)], [replace(first, request_id="b")]]
+    )
+    zero, one = body["choices"]
+    assert zero["prompt_logprobs"] == one["prompt_logprobs"] != [None]
+    assert zero["logprobs"] == one["logprobs"]
 
 
 def test_an_echo_of_the_prompt_alone_drops_the_sampled_token():

@@ -54,8 +54,8 @@ _PROMPT_ROWS = 256
 class PromptLogprobRows:
     """One chunk's prompt logprobs, computed where its logits are (only these leave the
     device, not a vocabulary-wide row per position): the targets' logprobs [m], the
-    top-n token ids and logprobs [m, n], and the targets' ranks [m] (1 + the tokens the
-    model found strictly more likely)."""
+    top-n token ids and logprobs [m, n], and the targets' ranks [m] (the tokens the model
+    found at least as likely, the target included: a tie ranks low, as in vLLM)."""
 
     logprobs: torch.Tensor
     top_ids: torch.Tensor
@@ -205,7 +205,7 @@ class ModelRunner:
             logprobs = logprobs.float().log_softmax(dim=-1)
             top = logprobs.topk(c.prompt_top_n, dim=-1)  # n = 0: empty [m, 0] tensors
             chosen = logprobs.gather(1, targets[i:j].unsqueeze(1)).squeeze(1)
-            ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+            ranks = (logprobs >= chosen.unsqueeze(1)).sum(dim=1)
             parts.append((chosen, top.indices, top.values, ranks))
         return PromptLogprobRows(*(torch.cat(t).cpu() for t in zip(*parts, strict=True)))
 
