@@ -51,6 +51,31 @@ def test_cuda_decodes_a_batch_as_the_cpu_engine(smollm2_dir):
     assert cuda.stats().num_free_blocks == cuda.stats().num_total_blocks
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_scores_prompts_and_decodes_after_a_cached_prefix(smollm2_dir, dtype):
+    # What the service's GPU pools do beyond a plain decode: prompt logprobs (computed in
+    # slices on the device), a prefill chunk on a cached prefix (its mask through SDPA),
+    # and bfloat16, CUDA's default, against the float32 CPU engine.
+    cpu = _engine(smollm2_dir, device="cpu", dtype="float32")
+    cuda = _engine(smollm2_dir, device="cuda", dtype=dtype)
+    scored = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    prompt = cpu.tokenizer.encode(PROMPTS[1])
+    (want,) = cpu.generate([prompt], scored)
+    (got,) = cuda.generate([prompt], scored)
+    close = 1e-3 if dtype == "float32" else 0.25
+    assert [lp.token_id for lp in got.prompt_logprobs] == prompt[1:]
+    for g, w in zip(got.prompt_logprobs, want.prompt_logprobs, strict=True):
+        assert abs(g.logprob - w.logprob) < close and g.rank >= 1
+    long = cpu.tokenizer.encode(PROMPTS[0] * 6)
+    cuda.generate([long], GREEDY)
+    (again,) = cuda.generate([long + cpu.tokenizer.encode(" Paris")], GREEDY)
+    assert again.num_cached_tokens > 0 and len(again.output_token_ids) == GREEDY.max_tokens
+    if dtype == "float32":
+        (cpu_again,) = cpu.generate([long + cpu.tokenizer.encode(" Paris")], GREEDY)
+        assert again.output_token_ids == cpu_again.output_token_ids
+    assert cuda.stats().num_free_blocks == cuda.stats().num_total_blocks
+
+
 def test_a_bfloat16_cuda_prefill_hands_its_kv_to_a_float32_cpu_decode(smollm2_dir):
     # "auto" is bfloat16 on CUDA; the import converts the KV to the decode engine's dtype.
     prefill = _engine(smollm2_dir, device="cuda")

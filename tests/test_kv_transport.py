@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -193,6 +194,51 @@ def test_concurrent_nixl_fetches_from_one_exporter_all_arrive(ray_cluster):
     exporter, importer = Exporter.remote(), Importer.remote()
     try:
         assert ray.get(importer.fetch_many.remote(exporter, list(range(64)))) == [True] * 64
+    finally:
+        ray.kill(exporter)
+        ray.kill(importer)
+
+
+@pytest.mark.slow
+def test_a_nixl_part_from_another_kind_of_device_is_fetched_onto_the_importers(ray_cluster):
+    # A GPU prefill's KV into a CPU decode: Ray's receiver would allocate on CUDA unless
+    # told the importer's device. Here a CPU export is labelled as a GPU's, so the fetch
+    # goes through Ray's cross-device path and must still deliver the data to the CPU.
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Exporter:
+        def __init__(self):
+            self.data = torch.randn(2, 2, 3, 4, 16, 8)
+
+        def export(self) -> tuple[KVRef, torch.Tensor]:
+            return publish(KVBlocks(self.data, 0, 1, 0), "nixl", (1,)), self.data
+
+    @ray.remote(num_cpus=0)
+    class Importer:
+        def fetch(self, part: KVRef) -> tuple[torch.Tensor, list[str]]:
+            import ray.experimental.rdt as rdt
+
+            targets, original = [], rdt.set_target_device_for_ref
+
+            def spy(ref, device):
+                targets.append(device)
+                original(ref, device)
+
+            rdt.set_target_device_for_ref = spy
+            try:
+                return fetch(part, "cpu").data, targets
+            finally:
+                rdt.set_target_device_for_ref = original
+
+    exporter, importer = Exporter.remote(), Importer.remote()
+    try:
+        part, data = ray.get(exporter.export.remote())
+        assert part.device == "cpu"
+        got, targets = ray.get(importer.fetch.remote(part))
+        assert torch.equal(got, data) and targets == []  # same kind: Ray's default
+        got, targets = ray.get(importer.fetch.remote(replace(part, device="cuda:0")))
+        assert torch.equal(got, data) and targets == ["cpu", "cpu"]  # one per piece
     finally:
         ray.kill(exporter)
         ray.kill(importer)

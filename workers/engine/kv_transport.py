@@ -78,6 +78,9 @@ class KVRef:
     tp_rank: int
     tp_size: int
     start_block: int = 0
+    # Where the data is in its exporter ("cpu", "cuda:0"): Ray's nixl receiver allocates
+    # on the source's device type unless told the importer's (see _fetch_heads).
+    device: str = "cpu"
 
     @property
     def key(self) -> str:
@@ -134,8 +137,8 @@ def publish(kv: KVBlocks, transport: str, cuts: Sequence[int] = ()) -> KVPart:
         pieces.append((lo, hi, ray.put(data, _tensor_transport=transport)))
         with _exported_lock:
             _exported.add(data)  # Ray keeps this very tensor until the last reference is gone
-    shape = tuple(kv.data.shape)
-    return KVRef(tuple(pieces), shape, kv.data.dtype, kv.tp_rank, kv.tp_size, kv.start_block)
+    meta = (tuple(kv.data.shape), kv.data.dtype, kv.tp_rank, kv.tp_size, kv.start_block)
+    return KVRef(tuple(pieces), *meta, str(kv.data.device))
 
 
 def head_cuts(num_heads: int, src_rank: int, src_tp: int, dst_tp: int | None) -> list[int]:
@@ -161,16 +164,17 @@ def live_exports() -> tuple[int, int]:
     return len(tensors), sum(t.nbytes for t in tensors)
 
 
-def fetch(part: KVPart) -> KVBlocks:
-    """The part's data in this process (a transfer for a KVRef)."""
+def fetch(part: KVPart, device: str | torch.device = "cpu") -> KVBlocks:
+    """The part's data in this process (a transfer for a KVRef). `device`: the
+    importer's; a KVRef on another kind of device arrives straight on it."""
     if isinstance(part, KVBlocks):
         return part
-    data = _fetch_heads(part, 0, part.shape[2])
+    data = _fetch_heads(part, 0, part.shape[2], device)
     return KVBlocks(data, part.tp_rank, part.tp_size, part.start_block)
 
 
-def fetch_all(parts: Sequence[KVPart]) -> list[KVBlocks]:
-    return [fetch(p) for p in parts]
+def fetch_all(parts: Sequence[KVPart], device: str | torch.device = "cpu") -> list[KVBlocks]:
+    return [fetch(p, device) for p in parts]
 
 
 def fetched_bytes(part: KVPart, lo: int, hi: int) -> int:
@@ -181,14 +185,20 @@ def fetched_bytes(part: KVPart, lo: int, hi: int) -> int:
     return sum((b - a) * per_head for a, b, _ in part.pieces if a < hi and lo < b)
 
 
-def _fetch_heads(part: KVRef, lo: int, hi: int) -> torch.Tensor:
+def _fetch_heads(part: KVRef, lo: int, hi: int, device: str | torch.device) -> torch.Tensor:
     """Heads [lo, hi) of the part, fetching only the pieces that hold them (in one
-    ray.get, so they travel together)."""
+    ray.get, so they travel together), onto the kind of device `device` is."""
     import ray
+    import ray.experimental.rdt as rdt
 
     install_nixl_agent()
     wanted = [(a, b, ref) for a, b, ref in part.pieces if a < hi and lo < b]
     try:
+        if torch.device(device).type != torch.device(part.device).type:
+            # Else Ray allocates the receive buffers on the exporter's kind of device: a
+            # GPU prefill's KV would need CUDA in a CPU decode replica (or take GPU 0).
+            for _, _, ref in wanted:
+                rdt.set_target_device_for_ref(ref, str(device))
         with _fetch_lock:
             datas = ray.get([ref for _, _, ref in wanted])
     except Exception as e:  # what Ray raises depends on the transport and the failure
@@ -232,11 +242,18 @@ def head_ranges(parts: Sequence[KVPart], dst_rank: int, dst_tp: int) -> list[tup
     return ranges
 
 
-def materialize(parts: Sequence[KVPart], dst_rank: int, dst_tp: int, from_block: int) -> KVBlocks:
+def materialize(
+    parts: Sequence[KVPart],
+    dst_rank: int,
+    dst_tp: int,
+    from_block: int,
+    device: str | torch.device = "cpu",
+) -> KVBlocks:
     """Rank `dst_rank` of `dst_tp`'s share of one export (all source ranks' parts, in
     rank order, already checked to agree): its KV heads, from request block
     `from_block` on. Fetches only what holds some of those heads: the pieces that do
-    (see KVRef), or of an export cut for another TP degree, the parts that do, whole."""
+    (see KVRef), or of an export cut for another TP degree, the parts that do, whole;
+    onto `device`'s kind of device (the importer's)."""
     first = parts[0]
     if not first.start_block <= from_block <= first.end_block:
         raise ValueError(
@@ -246,7 +263,10 @@ def materialize(parts: Sequence[KVPart], dst_rank: int, dst_tp: int, from_block:
     pieces = []
     for r, a, b in head_ranges(parts, dst_rank, dst_tp):
         part = parts[r]
-        data = part.data[:, :, a:b] if isinstance(part, KVBlocks) else _fetch_heads(part, a, b)
+        if isinstance(part, KVBlocks):
+            data = part.data[:, :, a:b]
+        else:
+            data = _fetch_heads(part, a, b, device)
         pieces.append(data[:, :, :, from_block - part.start_block :])
     data = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return KVBlocks(data, dst_rank, dst_tp, from_block)

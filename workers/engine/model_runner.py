@@ -230,7 +230,7 @@ class ModelRunner:
 
     def prefetch(self, parts: list[KVPart]) -> list[KVPart]:
         """The export's parts held in this process (a transfer for KVRefs); thread-safe."""
-        return list(kv_transport.fetch_all(parts))
+        return list(kv_transport.fetch_all(parts, self.device))
 
     def release_prefetched(self, parts: list[KVPart]) -> None:
         """Nothing to release: prefetched parts live in the list `prefetch` returned."""
@@ -238,7 +238,7 @@ class ModelRunner:
     def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
         """Writes this rank's KV heads of an export (every source rank's part, in rank
         order), from request block `from_block` on, into `block_ids`."""
-        kv = kv_transport.materialize(parts, self.tp_rank, self.tp_size, from_block)
+        kv = kv_transport.materialize(parts, self.tp_rank, self.tp_size, from_block, self.device)
         kv_transfer.import_blocks(self, block_ids, kv)
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:

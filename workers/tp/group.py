@@ -153,7 +153,7 @@ class TPWorkerGroup:
                 self._pull(key, parts)
             self._gather([w.import_staged.remote(block_ids, key, from_block) for w in ranks])
             return
-        local = kv_transport.fetch_all(parts)
+        local = kv_transport.fetch_all(parts, "cpu")  # to the ranks through Ray's object store
         shares = [
             kv_transport.materialize(local, rank, self.tp_size, from_block)
             for rank in range(self.tp_size)

@@ -98,8 +98,9 @@ class TPWorker:
         its blocks) and stages the share under `key`. Returns None, or why it failed:
         a failed transfer is the request's problem, never a reason to fail the rank."""
         try:
+            device = self.runner.device if self.runner is not None else "cpu"
             share = kv_transport.materialize(
-                parts, self.rank, self.world_size, parts[0].start_block
+                parts, self.rank, self.world_size, parts[0].start_block, device
             )
             share = replace(share, data=share.data.contiguous())
         except (ValueError, RuntimeError) as e:  # KVTransferError and OOM are RuntimeErrors
@@ -147,7 +148,8 @@ class TPWorker:
     def time_all_reduce(self, numel: int, iters: int) -> float:
         """Mean seconds of one all-reduce of `numel` floats, as the layers issue them."""
         assert self.tp is not None
-        x = torch.ones(numel)
+        runner = self._runner()
+        x = torch.ones(numel, device=runner.device, dtype=runner.dtype)  # nccl: on the GPU
         self.tp.all_reduce(x)
         dist.barrier()
         start = time.perf_counter()
