@@ -243,12 +243,8 @@ class CompletionRequest(_Request):
         if max_tokens is None:
             default = max(DEFAULT_COMPLETION_MAX_TOKENS, self.min_tokens)
             max_tokens = min(default, default_budget_room(room, self.min_tokens))
-        return self._params(max(max_tokens, 1), self.logprobs, self.echoed_logprobs)
-
-    @property
-    def echoed_logprobs(self) -> int | None:
-        """The alternatives an echoed prompt's logprobs show: `logprobs`, with echo."""
-        return self.logprobs if self.echo else None
+        echoed = self.logprobs if self.echo else None
+        return self._params(max(max_tokens, 1), self.logprobs, echoed)
 
 
 class ChatMessage(_Body):

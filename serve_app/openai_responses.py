@@ -104,22 +104,26 @@ class ResponseBuilder:
         self._text_offsets: dict[int, int] = {}
         self._opened: set[int] = set()
 
-    def _echoed(self, out: RequestOutput, index: int) -> tuple[str, list[_Entry]]:
+    def _echoed(
+        self, prompt_lps: list[TokenLogprob] | None, index: int
+    ) -> tuple[str, list[_Entry]]:
         """The prompt's text and logprob entries that go before choice `index`'s text:
         with echo, in its first output (the one that carries the prompt logprobs)."""
         if self.echo is None or index in self._opened:
             return "", []
         self._opened.add(index)
-        if out.prompt_logprobs is None or self.echo.top_n is None:
+        if prompt_lps is None or self.echo.top_n is None:
             return self.echo.text, []
         first = (self.echo.token_ids[0], None)  # no context before it: no logprob
-        shown = [replace(lp, top=lp.top[: self.echo.top_n]) for lp in out.prompt_logprobs]
+        shown = [replace(lp, top=lp.top[: self.echo.top_n]) for lp in prompt_lps]
         return self.echo.text, [first, *((lp.token_id, lp) for lp in shown)]
 
-    def _vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+    def _vllm_prompt_logprobs(
+        self, prompt_lps: list[TokenLogprob] | None
+    ) -> list[dict[str, Any] | None] | None:
         """vLLM's `prompt_logprobs`: per prompt token (the first, with no context, None),
         its own logprob and rank and the top alternatives, keyed by token id."""
-        if self.prompt_logprobs is None or out.prompt_logprobs is None:
+        if self.prompt_logprobs is None or prompt_lps is None:
             return None
 
         def entry(token: int, logprob: float, rank: int | None) -> dict[str, Any]:
@@ -132,7 +136,7 @@ class ResponseBuilder:
                 str(t): entry(t, v, rank)
                 for rank, (t, v) in enumerate(lp.top[: self.prompt_logprobs], start=1)
             }
-            for lp in out.prompt_logprobs
+            for lp in prompt_lps
         ]
 
     def _logprobs(self, lps: list[TokenLogprob], index: int, prompt: list[_Entry] = ()) -> Any:
@@ -188,11 +192,11 @@ class ResponseBuilder:
     def complete(self, choices: list[list[RequestOutput]]) -> dict[str, Any]:
         """The completion object; `choices[i]`: every output of choice i, in order."""
         body = []
-        shared = choices[0][0].prompt_logprobs  # computed by the first choice alone
+        # Unstreamed, the first choice alone computes them (openai_api.choice_params).
+        prompt_lps = choices[0][0].prompt_logprobs
+        vllm_prompt_logprobs = self._vllm_prompt_logprobs(prompt_lps)
         for index, outputs in enumerate(choices):
-            if outputs[0].prompt_logprobs is None and shared is not None:
-                outputs = [replace(outputs[0], prompt_logprobs=shared), *outputs[1:]]
-            echoed, prompt = self._echoed(outputs[0], index)
+            echoed, prompt = self._echoed(prompt_lps, index)
             text = echoed + "".join(o.new_text for o in outputs)
             lps = self._logprobs([lp for o in outputs for lp in o.new_logprobs], index, prompt)
             choice: dict[str, Any] = {
@@ -205,7 +209,7 @@ class ResponseBuilder:
             else:
                 choice["text"] = text
                 if self.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(outputs[0])
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs
             body.append(choice)
         completion = {
             "id": self.id,
@@ -216,14 +220,14 @@ class ResponseBuilder:
             "usage": usage([outputs[-1] for outputs in choices]),
         }
         if self.chat and self.prompt_logprobs is not None:  # vLLM's: the request's, once
-            completion["prompt_logprobs"] = self._vllm_prompt_logprobs(choices[0][0])
+            completion["prompt_logprobs"] = vllm_prompt_logprobs
         return completion
 
     def chunk(self, out: RequestOutput, index: int = 0, include_usage: bool = False) -> str:
         """One SSE event for an output of choice `index`; a chat choice's first one also
         carries the assistant role. With `include_usage` it says `"usage": null`, as
         OpenAI's chunks before the usage chunk do."""
-        echoed, prompt = self._echoed(out, index)
+        echoed, prompt = self._echoed(out.prompt_logprobs, index)
         choice: dict[str, Any] = {
             "index": index,
             "logprobs": self._logprobs(out.new_logprobs, index, prompt),

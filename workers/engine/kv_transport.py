@@ -137,8 +137,15 @@ def publish(kv: KVBlocks, transport: str, cuts: Sequence[int] = ()) -> KVPart:
         pieces.append((lo, hi, ray.put(data, _tensor_transport=transport)))
         with _exported_lock:
             _exported.add(data)  # Ray keeps this very tensor until the last reference is gone
-    meta = (tuple(kv.data.shape), kv.data.dtype, kv.tp_rank, kv.tp_size, kv.start_block)
-    return KVRef(tuple(pieces), *meta, str(kv.data.device))
+    return KVRef(
+        tuple(pieces),
+        tuple(kv.data.shape),
+        kv.data.dtype,
+        kv.tp_rank,
+        kv.tp_size,
+        kv.start_block,
+        device=str(kv.data.device),
+    )
 
 
 def head_cuts(num_heads: int, src_rank: int, src_tp: int, dst_tp: int | None) -> list[int]:
