@@ -10,6 +10,7 @@ from ray import serve
 
 from serve_app import service_ops
 from serve_app.config import TRANSPORTS, AppConfig, PoolConfig
+from serve_app.prefix_registry import app_registry_name, remove_registry
 from serve_app.serve_config import GRPC_SERVICER_FUNCTIONS
 
 
@@ -76,5 +77,8 @@ class Deployed:
 
     def __exit__(self, *exc) -> None:
         serve.delete(self.name)
+        # Its prefix registry outlives the application (as after `baton stop` without
+        # its cleanup): an idle actor that would run beside every later one measured.
+        remove_registry(app_registry_name(self.name))
         if self.python_proxy:
             serve.shutdown()  # the next application gets Serve's default ingress again
