@@ -27,6 +27,7 @@ from serve_app.router import Router
 from serve_app.serve_config import DEPLOYMENT_NAMES, ROUTER_NAME, pool_ongoing_requests, pool_scale
 from workers.engine.kv_transport import check_transport
 from workers.model.config import ModelConfig
+from workers.tp.group import rank_bundle
 
 # How often replicas report load and KV usage to the request router.
 ROUTING_STATS_PERIOD_S = 1.0
@@ -80,6 +81,17 @@ def _pool_options(role: str, pool: PoolConfig, num_routers: int) -> dict[str, An
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
     }
+    if pool.tensor_parallel_size > 1:
+        # Each replica is reserved with its ranks, as one placement group on one node
+        # (the ranks exchange activations twice per layer): it lands only on a node
+        # where they fit (one with the GPUs they need), and Ray's autoscaler asks for
+        # the whole at once. The engine puts rank r in bundle r + 1 (tp_placement).
+        replica = {"CPU": pool.num_cpus, **pool.resources}
+        options["placement_group_bundles"] = [
+            {name: amount for name, amount in replica.items() if amount > 0},
+            *[rank_bundle(pool.num_gpus > 0)] * pool.tensor_parallel_size,
+        ]
+        options["placement_group_strategy"] = "STRICT_PACK"
     scale = pool_scale(pool)
     if "autoscaling_config" in scale:
         options["autoscaling_config"] = ServeAutoscaling(**scale["autoscaling_config"])

@@ -93,7 +93,8 @@ class PoolConfig(_Frozen):
     autoscaling: AutoscalingConfig | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     # Resources of the replica process; TP ranks (tensor_parallel_size > 1) are Ray actors
-    # of their own, each taking one CPU (or one GPU when num_gpus > 0).
+    # of their own, each taking one CPU (or one GPU when num_gpus > 0), reserved with the
+    # replica on one node.
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     # Custom Ray resources, e.g. {"baton_prefill": 0.01} to pin replicas to prefill nodes.
@@ -128,6 +129,20 @@ class PoolConfig(_Frozen):
     @model_validator(mode="after")
     def _budget_per_step(self) -> PoolConfig:
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # the engine's rule
+        return self
+
+    @model_validator(mode="after")
+    def _replica_bundle(self) -> PoolConfig:
+        # A TP replica's own bundle in the placement group it shares with its ranks: Ray
+        # refuses a bundle that asks for nothing.
+        if self.tensor_parallel_size > 1 and not (
+            self.num_cpus > 0 or any(v > 0 for v in self.resources.values())
+        ):
+            raise ValueError(
+                "num_cpus must be > 0 when tensor_parallel_size > 1 (or give the replica a "
+                "custom resource): Serve reserves the replica and its ranks together, and "
+                "the replica's share may not be empty"
+            )
         return self
 
 
@@ -274,6 +289,8 @@ class AppConfig(_Frozen):
             num_threads=pool.num_threads,
             dtype=pool.dtype,
             tensor_parallel_size=pool.tensor_parallel_size,
+            # Serve reserves a TP replica's ranks with it (app.py's placement_group_bundles).
+            tp_placement="current" if pool.tensor_parallel_size > 1 else "own",
             enable_prefix_caching=self.enable_prefix_caching,
             model_id=model_id,
             handoff_timeout_s=self.handoff_timeout_s,

@@ -61,7 +61,6 @@ class EngineServer:
         self.app_name = context.app_name
         self.metrics = ReplicaMetrics(context.app_name, role, self.replica_id)
         pool = config.pools()[role]
-        self.gpus = replica_gpus(pool.num_gpus, pool.tensor_parallel_size)
         model_dir = config.model_dir()
         engine_config = config.engine_config(pool, str(model_dir), model_identity(model_dir))
         # The one the application's routers ask: its own unless the config names one.
@@ -81,6 +80,13 @@ class EngineServer:
             max_pulled_kv_bytes=pool.max_pulled_kv_bytes,
             on_kv_events=self._publish,
         )
+        # A TP replica's GPUs are its ranks' (on its node: one placement group).
+        self._visible_gpus = (
+            self.engine.engine.runner.visible_devices()
+            if pool.tensor_parallel_size > 1 and pool.num_gpus > 0
+            else None
+        )
+        self.gpus = replica_gpus(pool.num_gpus, self._visible_gpus)
         self.decode = None if prefill_pool is None else self._decode_handoff(config, prefill_pool)
         self.channels = OutputChannels(self.replica_id)
         self.engine_setup = {
@@ -202,7 +208,7 @@ class EngineServer:
             self._last_heartbeat = time.monotonic()
             self._publish([], [])
         if self.gpus.transient or self.gpus.available:  # no driver or GPU stays so
-            self.gpus = read_gpus()
+            self.gpus = read_gpus(self._visible_gpus)
             self.metrics.gpus(self.gpus)
         self.metrics.engine(s)
         self._replace_lost_actors()

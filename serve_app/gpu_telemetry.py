@@ -36,14 +36,14 @@ class GpuReport:
         return asdict(self)
 
 
-def replica_gpus(num_gpus: float, tensor_parallel_size: int) -> GpuReport:
-    """A pool replica's first report. Ray sets CUDA_VISIBLE_DEVICES only for an actor that
-    asks for GPUs; one that does not would see, and report, every GPU of its node."""
+def replica_gpus(num_gpus: float, visible: str | None = None) -> GpuReport:
+    """A pool replica's report: of the GPUs `visible` names (a TP replica: its ranks',
+    which Ray gave them and not the replica), by default of the replica's own process.
+    Ray sets CUDA_VISIBLE_DEVICES only for an actor that asks for GPUs; one that does not
+    would see, and report, every GPU of its node."""
     if num_gpus == 0:
         return GpuReport(False, "this pool's replicas use no GPU")
-    if tensor_parallel_size > 1:
-        return GpuReport(False, "held by the replica's TP ranks, not reported per replica")
-    return read_gpus()
+    return read_gpus(visible)
 
 
 def read_gpus(visible: str | None = None) -> GpuReport:

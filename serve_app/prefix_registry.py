@@ -253,6 +253,9 @@ def get_or_create_registry(config: PrefixRegistryConfig) -> ray.actor.ActorHandl
         namespace=config.namespace,
         lifetime="detached",
         get_if_exists=True,
+        # Not Ray's default: from a TP replica that would be the replica's own placement
+        # group (Serve captures child actors in it), which dies with the replica.
+        scheduling_strategy="DEFAULT",
         # Bookkeeping only: it must never wait for, or take, a CPU a model needs.
         num_cpus=0,
         # Its node lost, it starts again elsewhere (empty: the index is advisory).

@@ -52,6 +52,9 @@ def get_or_create_board(name: str) -> ray.actor.ActorHandle:
         namespace=BOARD_NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
+        # Not Ray's default: from a TP replica that would be the replica's own placement
+        # group (Serve captures child actors in it), which dies with the replica.
+        scheduling_strategy="DEFAULT",
         num_cpus=0,
         max_restarts=-1,  # its node lost, it starts again elsewhere (replicas post anew)
     )

@@ -202,6 +202,40 @@ def test_each_pool_bounds_the_requests_a_router_queues_for_it(model_dir):
     assert queued["EngineServer"] == 512
 
 
+def test_a_tp_replica_is_reserved_with_its_ranks_as_one_placement_group(model_dir):
+    """Placed apart, a TP replica could land where its ranks do not fit (a node without
+    GPUs); and Ray's autoscaler would see the replica's share alone."""
+    pools = {
+        "prefill": {"tensor_parallel_size": 3, "num_gpus": 1, "resources": {"baton_prefill": 0.1}},
+        "decode": {"tensor_parallel_size": 3, "num_cpus": 2},
+    }
+    app = build_app({"model": str(model_dir), **pools})
+    by_name = {d.name: d for d in _deployments(app)}
+    prefill, decode = by_name["PrefillServer"], by_name["DecodeServer"]
+    assert prefill._replica_config.placement_group_bundles == [
+        {"CPU": 1.0, "baton_prefill": 0.1},
+        *[{"CPU": 1.0, "GPU": 1.0}] * 3,
+    ]
+    assert decode._replica_config.placement_group_bundles == [{"CPU": 2.0}, *[{"CPU": 1.0}] * 3]
+    for d in (prefill, decode):
+        assert d._replica_config.placement_group_strategy == "STRICT_PACK"
+        assert d.ray_actor_options["num_gpus"] == 0  # the ranks take the GPUs
+    # The engines take bundles 1..3 of it; a TP 1 replica is placed on its own.
+    config = AppConfig.model_validate({"model": str(model_dir), **pools})
+    assert config.engine_config(config.decode, str(model_dir), "m").tp_placement == "current"
+    single = build_app({"model": str(model_dir), "mode": "aggregated"})
+    (engine,) = [d for d in _deployments(single) if d.name == "EngineServer"]
+    assert engine._replica_config.placement_group_bundles is None
+    assert config.engine_config(config.aggregated, str(model_dir), "m").tp_placement == "own"
+
+
+def test_a_tp_replica_must_ask_for_something_of_its_own():
+    with pytest.raises(ValueError, match="num_cpus must be > 0 when tensor_parallel_size > 1"):
+        PoolConfig(tensor_parallel_size=2, num_cpus=0)
+    PoolConfig(tensor_parallel_size=2, num_cpus=0, resources={"baton_decode": 0.01})
+    PoolConfig(num_cpus=0)  # a TP 1 replica needs no placement group
+
+
 def _deployments(app) -> list:
     """Every deployment of an application graph (bound deployments are init args)."""
     seen, stack = [], [app]

@@ -20,6 +20,7 @@ from workers.engine.config import EngineConfig
         ("max_model_len", 0, "max_model_len must be >= 1"),
         ("dtype", "fp8", "dtype must be 'auto' or one of"),
         ("tensor_parallel_size", 0, "tensor_parallel_size must be >= 1"),
+        ("tp_placement", "node", r"tp_placement must be one of \('own', 'current'\)"),
         ("num_threads", 0, "num_threads must be >= 1"),
         ("model_id", "", "model_id must be a non-empty name"),
         ("handoff_timeout_s", 0.0, "handoff_timeout_s must be > 0"),
@@ -49,4 +50,5 @@ def test_the_defaults_and_each_fields_bounds_are_accepted():
         max_num_seqs=1,
         max_num_batched_tokens=1,
         device="cuda:1",
+        tp_placement="current",
     )

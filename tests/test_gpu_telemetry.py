@@ -99,9 +99,11 @@ def test_this_machine_reports_without_raising():
 def test_a_replica_without_gpus_of_its_own_reports_none_rather_than_its_nodes(monkeypatch):
     _fake_nvml(monkeypatch)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # as Ray leaves it for them
-    cpu = replica_gpus(num_gpus=0, tensor_parallel_size=1)
+    cpu = replica_gpus(num_gpus=0)
     assert not cpu.available and "use no GPU" in cpu.reason
-    tp = replica_gpus(num_gpus=1, tensor_parallel_size=2)
-    assert not tp.available and "TP ranks" in tp.reason
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert [d.index for d in replica_gpus(num_gpus=1, tensor_parallel_size=1).devices] == [1]
+    assert [d.index for d in replica_gpus(num_gpus=1).devices] == [1]
+    # A TP replica holds no GPU itself (Ray leaves it none): it reports its ranks'.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not replica_gpus(num_gpus=1).available
+    assert [d.index for d in replica_gpus(num_gpus=1, visible="1,0").devices] == [1, 0]

@@ -356,3 +356,48 @@ def test_a_routers_lookup_goes_without_hints_when_the_registry_is_slow_or_gone(
         asyncio.run(main())
     finally:
         ray.kill(lookup.actor)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["registry", "status board"])
+def test_what_a_tp_replica_starts_for_the_app_outlives_the_replicas_placement_group(
+    ray_cluster, request, kind
+):
+    """A TP replica runs in a placement group Serve reserves with its ranks, and Serve
+    captures the actors it starts into it. The registry and the status board serve the
+    whole application: they must not go down with that group when the replica is scaled
+    away."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from serve_app.status_board import find_board, get_or_create_board
+
+    ray = ray_cluster
+    name = f"{kind}-{request.node.name}"
+    pg = placement_group([{"CPU": 1.0}, {"CPU": 1.0}], strategy="STRICT_PACK")
+    ray.get(pg.ready())
+
+    def placement_group_of(_actor) -> str | None:
+        return ray.get_runtime_context().get_placement_group_id()
+
+    @ray.remote(num_cpus=1)
+    def start() -> str | None:
+        if kind == "registry":
+            actor = get_or_create_registry(PrefixRegistryConfig(max_entries=8, name=name))
+            ray.get(actor.publish.remote("r1", PROMPT[:2], []))
+        else:
+            actor = get_or_create_board(name)
+            ray.get(actor.post.remote("r1", {"role": "decode"}))
+        return ray.get(actor.__ray_call__.remote(placement_group_of))
+
+    capture = PlacementGroupSchedulingStrategy(pg, 0, placement_group_capture_child_tasks=True)
+    assert ray.get(start.options(scheduling_strategy=capture).remote()) is None
+    remove_placement_group(pg)
+    if kind == "registry":
+        actor = ray.get_actor(name, namespace="baton")
+        alive = ray.get(actor.longest_prefixes.remote(PROMPT)) == {"r1": 2}
+    else:
+        actor = find_board(name)
+        alive = ray.get(actor.snapshots.remote()) == [{"role": "decode"}]
+    ray.kill(actor)
+    assert alive

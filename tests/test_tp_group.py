@@ -104,6 +104,7 @@ def test_each_rank_holds_its_share_of_the_weights(ray_cluster, tmp_path):
         for rank_bytes in shares:
             # Only the RMSNorm weights are replicated; everything else is a 1/4 shard.
             assert abs(rank_bytes - whole / 4) / (whole / 4) < 0.02
+        assert split.visible_devices() == ""  # CPU ranks: Ray gives them no GPU
     finally:
         full.shutdown()
         split.shutdown()
@@ -139,3 +140,53 @@ def test_a_rank_method_that_raises_outside_a_collective_fails_only_that_call(ray
         )
     finally:
         group.shutdown()
+
+
+def test_current_placement_puts_the_ranks_in_the_placement_group_the_caller_runs_in(
+    ray_cluster, tmp_path
+):
+    """How a Serve TP replica runs: placed in bundle 0 of a placement group reserved with
+    its ranks (placement_group_bundles), which take bundles 1..tp; shutting the group
+    down leaves that placement group to its owner."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    spec = _spec(make_tiny_model(tmp_path))
+    pg = placement_group([{"CPU": 1.0}] * 3, strategy="STRICT_PACK")
+    ray.get(pg.ready())
+
+    def placement_group_of(_rank) -> str | None:
+        return ray.get_runtime_context().get_placement_group_id()
+
+    @ray.remote(num_cpus=1)
+    class Replica:
+        def run(self, spec: RunnerSpec, step: StepInput) -> tuple[list, torch.Tensor, str]:
+            group = TPWorkerGroup(2, spec, placement="current")
+            try:
+                logits = group.execute(step).logits
+                where = ray.get([w.__ray_call__.remote(placement_group_of) for w in group.workers])
+            finally:
+                group.shutdown()
+            return where, logits, ray.util.placement_group_table(pg)["state"]
+
+    strategy = PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+    )
+    replica = Replica.options(scheduling_strategy=strategy).remote()
+    try:
+        where, logits, state = ray.get(replica.run.remote(spec, _steps()[0]))
+        # Bundle 0 holds the replica, so in this group the ranks can only be in 1 and 2.
+        assert where == [pg.id.hex()] * 2
+        local = ModelRunner.from_spec(spec)
+        torch.testing.assert_close(logits, local.execute(_steps()[0]).logits, atol=1e-4, rtol=0)
+        assert state == "CREATED"  # not removed with the group: it is the replica's
+    finally:
+        ray.kill(replica)
+        remove_placement_group(pg)
+
+
+def test_current_placement_outside_a_placement_group_says_how_to_fix_it(ray_cluster, tmp_path):
+    hint = r"bundles 1\.\.2 hold \{'CPU': 1.0\} each; it runs in none.*tp_placement 'own'"
+    with pytest.raises(RuntimeError, match=hint):
+        TPWorkerGroup(2, _spec(make_tiny_model(tmp_path)), placement="current")

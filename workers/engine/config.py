@@ -10,6 +10,8 @@ from workers.engine.kv_transport import check_transport
 from workers.engine.scheduler import SchedulerConfig
 from workers.model.config import ModelConfig
 
+# EngineConfig.tp_placement's choices (workers.tp.group places the ranks).
+TP_PLACEMENTS = ("own", "current")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,6 +72,11 @@ class EngineConfig:
     num_threads: int | None = None
     # Ranks (Ray actors, one device each) the attention and MLP weights are split over.
     tensor_parallel_size: int = 1
+    # Where the ranks go: "own", a placement group the engine reserves on its node;
+    # "current", bundles 1..tp of the placement group the engine's process was placed
+    # in (a Serve replica's `placement_group_bundles`: reserved with the replica, so it
+    # lands only where its ranks fit, and an autoscaler sees the whole demand).
+    tp_placement: str = "own"
     seed: int = 0
     # Reuse the K/V of prompt blocks computed before (same model, same cache salt).
     enable_prefix_caching: bool = True
@@ -104,6 +111,10 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_placement not in TP_PLACEMENTS:
+            raise ValueError(
+                f"tp_placement must be one of {TP_PLACEMENTS}, got {self.tp_placement!r}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.model_id is not None and not self.model_id:

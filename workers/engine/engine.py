@@ -82,7 +82,7 @@ class LLMEngine(EngineStep, KVHandoffAPI):
         if tp == 1:
             self.runner = ModelRunner.from_spec(spec)
         else:
-            self.runner = TPWorkerGroup(tp, spec, config.num_threads or 1)
+            self.runner = TPWorkerGroup(tp, spec, config.num_threads or 1, config.tp_placement)
         layout = KVLayout.of(self.model_config, config.block_size)
         self.handoffs = HeldHandoffs(
             self.kv, self.runner, layout, tp, config.handoff_timeout_s, config.kv_transport

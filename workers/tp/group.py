@@ -17,6 +17,7 @@ import threading
 from dataclasses import replace
 
 from workers.engine import kv_transport
+from workers.engine.config import TP_PLACEMENTS
 from workers.engine.errors import EngineDeadError
 from workers.engine.kv_transport import KVPart, KVRef, KVTransferError
 from workers.engine.model_runner import RunnerSpec, StepInput, StepOutput
@@ -28,42 +29,46 @@ _PLACEMENT_TIMEOUT_S = 60.0
 _KV_PULL = "kv_pull"
 
 
+def rank_bundle(gpu: bool) -> dict[str, float]:
+    """What one rank's actor takes, and so what a placement group reserves per rank."""
+    return {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
+
+
 class TPWorkerGroup:
-    def __init__(self, tp_size: int, spec: RunnerSpec, num_threads_per_rank: int = 1):
+    def __init__(
+        self,
+        tp_size: int,
+        spec: RunnerSpec,
+        num_threads_per_rank: int = 1,
+        placement: str = "own",
+    ):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if placement not in TP_PLACEMENTS:
+            raise ValueError(f"placement must be one of {TP_PLACEMENTS}, got {placement!r}")
         if not ray.is_initialized():
             # An engine built outside a Ray cluster gets a private local one.
             ray.init(include_dashboard=False, log_to_driver=False)
         self._ray = ray
+        self._placement_group = placement_group
         self._remove_pg = remove_placement_group
         self.tp_size = tp_size
         gpu = spec.device.startswith("cuda")
-        bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
-        # STRICT_PACK: the ranks exchange activations twice per layer, so they must
-        # share a node; and that node is this process's (Ray's built-in node-id label),
-        # so a pool's ranks stay on the nodes its replicas were placed on.
-        here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
-        self.placement_group = placement_group(
-            [bundle] * tp_size, strategy="STRICT_PACK", bundle_label_selector=[here] * tp_size
-        )
-        try:
-            ray.get(self.placement_group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError as e:
-            self._remove_pg(self.placement_group)
-            raise RuntimeError(
-                f"no node has room for {tp_size} TP ranks ({bundle} each) within "
-                f"{_PLACEMENT_TIMEOUT_S:.0f}s; lower the TP degree or add resources"
-            ) from e
+        bundle = rank_bundle(gpu)
+        if placement == "own":
+            self.placement_group, first_bundle = self._reserve(tp_size, bundle), 0
+        else:
+            self.placement_group, first_bundle = _current_bundles(tp_size, bundle), 1
+        self._owns_placement_group = placement == "own"
         actor = ray.remote(concurrency_groups={_KV_PULL: 1})(TPWorker)
         self.workers = [
             actor.options(
-                num_cpus=1,
-                num_gpus=1 if gpu else 0,
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank
+                    self.placement_group, placement_group_bundle_index=first_bundle + rank
                 ),
             ).remote(rank, tp_size, num_threads_per_rank)
             for rank in range(tp_size)
@@ -80,6 +85,26 @@ class TPWorkerGroup:
         except BaseException:
             self.shutdown()
             raise
+
+    def _reserve(self, tp_size: int, bundle: dict[str, float]):
+        """A placement group of the ranks' own, on this process's node."""
+        ray = self._ray
+        # STRICT_PACK: the ranks exchange activations twice per layer, so they must
+        # share a node; and that node is this process's (Ray's built-in node-id label),
+        # so a pool's ranks stay on the nodes its replicas were placed on.
+        here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+        pg = self._placement_group(
+            [bundle] * tp_size, strategy="STRICT_PACK", bundle_label_selector=[here] * tp_size
+        )
+        try:
+            ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as e:
+            self._remove_pg(pg)
+            raise RuntimeError(
+                f"no node has room for {tp_size} TP ranks ({bundle} each) within "
+                f"{_PLACEMENT_TIMEOUT_S:.0f}s; lower the TP degree or add resources"
+            ) from e
+        return pg
 
     def execute(self, step: StepInput) -> StepOutput:
         return self._gather([w.execute.remote(step) for w in self._ranks()], collective=True)[0]
@@ -178,13 +203,25 @@ class TPWorkerGroup:
     def weight_bytes(self) -> list[int]:
         return self._gather([w.weight_bytes.remote() for w in self._ranks()])
 
+    def visible_devices(self) -> str:
+        """The GPUs the ranks were given, in CUDA_VISIBLE_DEVICES' syntax as their node
+        numbers them ("" for none): what a process on that node reads telemetry of."""
+        names = [
+            d
+            for v in self._gather([w.visible_devices.remote() for w in self._ranks()])
+            for d in v.split(",")
+            if d.strip()
+        ]
+        return ",".join(names)
+
     def time_all_reduce(self, numel: int, iters: int = 50) -> float:
         refs = [w.time_all_reduce.remote(numel, iters) for w in self._ranks()]
         return max(self._gather(refs, collective=True))
 
     def shutdown(self) -> None:
-        """Kills the ranks and frees their placement group; safe to call twice, and from
-        the engine thread and a prefetching thread at once (both may see a rank die)."""
+        """Kills the ranks and frees their placement group if the group reserved it (one
+        it was given goes with the process it was reserved for); safe to call twice, and
+        from the engine thread and a prefetching thread at once (both may see a rank die)."""
         with self._lock:
             pg, self.placement_group = self.placement_group, None
             workers, self.workers = self.workers, []
@@ -193,7 +230,8 @@ class TPWorkerGroup:
             return
         for w in workers:
             self._ray.kill(w)
-        self._remove_pg(pg)
+        if self._owns_placement_group:
+            self._remove_pg(pg)
 
     @property
     def failure(self) -> str | None:
@@ -254,3 +292,23 @@ def _all_refs(parts: list[KVPart]) -> bool:
 def _export_key(parts: list[KVRef]) -> str:
     # One export's parts are distinct Ray objects, so the first one names it.
     return parts[0].key
+
+
+def _current_bundles(tp_size: int, bundle: dict[str, float]):
+    """The placement group this process runs in, checked to hold a bundle for each rank
+    after its own first one (how a Serve replica's `placement_group_bundles` reserve its
+    ranks with it)."""
+    from ray.util import get_current_placement_group
+
+    pg = get_current_placement_group()
+    specs = [] if pg is None else pg.bundle_specs
+    ranks = specs[1 : 1 + tp_size]
+    if len(ranks) < tp_size or any(
+        have.get(name, 0.0) < amount for have in ranks for name, amount in bundle.items()
+    ):
+        raise RuntimeError(
+            f"tp_placement 'current' needs this process in a placement group whose bundles "
+            f"1..{tp_size} hold {bundle} each; it runs in {specs or 'none'}. Reserve them "
+            "with the process (Serve: placement_group_bundles), or use tp_placement 'own'"
+        )
+    return pg

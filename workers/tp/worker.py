@@ -11,6 +11,7 @@ request (`drop_staged`).
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import replace
@@ -144,6 +145,11 @@ class TPWorker:
             blocks = getattr(module, "blocks", None)
             total += 0 if blocks is None else blocks.nbytes
         return total
+
+    def visible_devices(self) -> str:
+        """The GPUs Ray gave this rank, as its CUDA_VISIBLE_DEVICES names them ("" for
+        none)."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     def time_all_reduce(self, numel: int, iters: int) -> float:
         """Mean seconds of one all-reduce of `numel` floats, as the layers issue them."""
