@@ -43,7 +43,7 @@ class TPWorkerGroup:
         placement: str = "own",
     ):
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if placement not in TP_PLACEMENTS:
@@ -52,7 +52,6 @@ class TPWorkerGroup:
             # An engine built outside a Ray cluster gets a private local one.
             ray.init(include_dashboard=False, log_to_driver=False)
         self._ray = ray
-        self._placement_group = placement_group
         self._remove_pg = remove_placement_group
         self.tp_size = tp_size
         gpu = spec.device.startswith("cuda")
@@ -88,12 +87,14 @@ class TPWorkerGroup:
 
     def _reserve(self, tp_size: int, bundle: dict[str, float]):
         """A placement group of the ranks' own, on this process's node."""
+        from ray.util.placement_group import placement_group
+
         ray = self._ray
         # STRICT_PACK: the ranks exchange activations twice per layer, so they must
         # share a node; and that node is this process's (Ray's built-in node-id label),
         # so a pool's ranks stay on the nodes its replicas were placed on.
         here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
-        pg = self._placement_group(
+        pg = placement_group(
             [bundle] * tp_size, strategy="STRICT_PACK", bundle_label_selector=[here] * tp_size
         )
         try:
