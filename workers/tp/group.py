@@ -24,6 +24,9 @@ from workers.engine.model_runner import RunnerSpec, StepInput, StepOutput
 from workers.tp.worker import TPWorker
 
 _PLACEMENT_TIMEOUT_S = 60.0
+# For rank 0's actor to come up in its bundle (a worker process importing torch, slow on
+# a loaded machine); bounded, as a bundle something else took would leave it pending.
+_START_TIMEOUT_S = 120.0
 # The ranks' concurrency group for moving handed-over KV into and out of their staging
 # area: its own thread, so a pull overlaps the steps run in Ray's default group.
 _KV_PULL = "kv_pull"
@@ -77,13 +80,26 @@ class TPWorkerGroup:
         self._staged: set[str] = set()
         self._lock = threading.Lock()  # guards _staged and shutting down
         try:
-            address, port = ray.get(self.workers[0].rendezvous_address.remote())
+            address, port = self._rendezvous(first_bundle)
             self._gather(
                 [w.start.remote(address, port, spec) for w in self.workers], collective=True
             )
         except BaseException:
             self.shutdown()
             raise
+
+    def _rendezvous(self, first_bundle: int) -> tuple[str, int]:
+        """Rank 0's address for the group's TCP store, once its actor is up."""
+        try:
+            return self._ray.get(
+                self.workers[0].rendezvous_address.remote(), timeout=_START_TIMEOUT_S
+            )
+        except self._ray.exceptions.GetTimeoutError as e:
+            raise RuntimeError(
+                f"TP rank 0 did not start within {_START_TIMEOUT_S:.0f}s in bundle "
+                f"{first_bundle} of its placement group: is something else holding the "
+                "bundles reserved for the ranks?"
+            ) from e
 
     def _reserve(self, tp_size: int, bundle: dict[str, float]):
         """A placement group of the ranks' own, on this process's node."""
