@@ -60,7 +60,7 @@ class TPWorkerGroup:
         gpu = spec.device.startswith("cuda")
         bundle = rank_bundle(gpu)
         if placement == "own":
-            self.placement_group, first_bundle = self._reserve(tp_size, bundle), 0
+            self.placement_group, first_bundle = _reserve_on_this_node(tp_size, bundle), 0
         else:
             self.placement_group, first_bundle = _current_bundles(tp_size, bundle), 1
         self._owns_placement_group = placement == "own"
@@ -100,28 +100,6 @@ class TPWorkerGroup:
                 f"{first_bundle} of its placement group: is something else holding the "
                 "bundles reserved for the ranks?"
             ) from e
-
-    def _reserve(self, tp_size: int, bundle: dict[str, float]):
-        """A placement group of the ranks' own, on this process's node."""
-        from ray.util.placement_group import placement_group
-
-        ray = self._ray
-        # STRICT_PACK: the ranks exchange activations twice per layer, so they must
-        # share a node; and that node is this process's (Ray's built-in node-id label),
-        # so a pool's ranks stay on the nodes its replicas were placed on.
-        here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
-        pg = placement_group(
-            [bundle] * tp_size, strategy="STRICT_PACK", bundle_label_selector=[here] * tp_size
-        )
-        try:
-            ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError as e:
-            self._remove_pg(pg)
-            raise RuntimeError(
-                f"no node has room for {tp_size} TP ranks ({bundle} each) within "
-                f"{_PLACEMENT_TIMEOUT_S:.0f}s; lower the TP degree or add resources"
-            ) from e
-        return pg
 
     def execute(self, step: StepInput) -> StepOutput:
         return self._gather([w.execute.remote(step) for w in self._ranks()], collective=True)[0]
@@ -309,6 +287,29 @@ def _all_refs(parts: list[KVPart]) -> bool:
 def _export_key(parts: list[KVRef]) -> str:
     # One export's parts are distinct Ray objects, so the first one names it.
     return parts[0].key
+
+
+def _reserve_on_this_node(tp_size: int, bundle: dict[str, float]):
+    """A placement group of the ranks' own, on this process's node."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    # STRICT_PACK: the ranks exchange activations twice per layer, so they must
+    # share a node; and that node is this process's (Ray's built-in node-id label),
+    # so a pool's ranks stay on the nodes its replicas were placed on.
+    here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
+    pg = placement_group(
+        [bundle] * tp_size, strategy="STRICT_PACK", bundle_label_selector=[here] * tp_size
+    )
+    try:
+        ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError as e:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"no node has room for {tp_size} TP ranks ({bundle} each) within "
+            f"{_PLACEMENT_TIMEOUT_S:.0f}s; lower the TP degree or add resources"
+        ) from e
+    return pg
 
 
 def _current_bundles(tp_size: int, bundle: dict[str, float]):
