@@ -271,9 +271,10 @@ def ray_cluster(ray_metrics_port):
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, smollm2_dir, serve_ports):
-    """The service test_service.py exercises: apps "disagg" and "agg" on one Serve instance,
-    on the real model. Module-scoped: a module using it deploys, and shuts down, its own."""
+def service(request, ray_cluster, smollm2_dir, serve_ports):
+    """The service the test_service*.py modules exercise: apps "disagg" and "agg" on one
+    Serve instance, on the real model; a module's `SERVICE_APPS` names fewer. Module-scoped:
+    a module using it deploys, and shuts down, its own."""
     import ray
     from ray import serve
     from service_helpers import KV, _leftovers
@@ -309,8 +310,9 @@ def service(ray_cluster, smollm2_dir, serve_ports):
         output_channel="actor_call",
         aggregated=PoolConfig(kv_cache_bytes=KV),
     )
-    service_ops.deploy(disagg, app_name="disagg", route_prefix="/disagg", **serve_ports)
-    service_ops.deploy(agg, app_name="agg", route_prefix="/agg", **serve_ports)
+    for name, config in {"disagg": disagg, "agg": agg}.items():
+        if name in getattr(request.module, "SERVICE_APPS", ("disagg", "agg")):
+            service_ops.deploy(config, app_name=name, route_prefix=f"/{name}", **serve_ports)
     yield {
         "http": f"http://127.0.0.1:{serve_ports['http_port']}",
         "grpc": f"127.0.0.1:{serve_ports['grpc_port']}",

@@ -15,7 +15,11 @@ from ray import serve
 
 from serve_app.client import generate_request
 from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
+from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
+from workers.engine.sampling_params import SamplingParams
+from workers.model.loader import model_identity
 
 KV = 48 * 2**20  # per engine: room for the module's requests, small enough for 9 processes
 PROMPTS = [
@@ -137,3 +141,19 @@ def _wait_until_known(registry, hashes, failure: str) -> None:
     while not _holds(registry, hashes):
         assert time.monotonic() < deadline, failure
         time.sleep(0.2)
+
+
+def _registry(app: str = "disagg"):
+    """The application's own prefix registry (conftest's applications name none)."""
+    return ray.get_actor(app_registry_name(app), namespace=REGISTRY_NAMESPACE)
+
+
+def _cached_prompt_hashes(disagg, model_dir, text: str) -> list:
+    """The block hashes of a prompt the replicas have just cached, once the registry holds
+    them."""
+    disagg.generate_unary(_greedy(text, max_tokens=2))
+    frontend = ModelFrontend(model_dir, model_identity(model_dir), 16, 1088)
+    ids = frontend.tokenize(PromptInput(text=text))
+    hashes = frontend.build_request("q", ids, SamplingParams(max_tokens=1), None).block_hashes
+    _wait_until_known(_registry(), hashes, "the registry never heard of a cached prompt")
+    return hashes

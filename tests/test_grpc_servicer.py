@@ -1,6 +1,6 @@
 """serve_app/grpc_servicer.py: the Baton service as Serve's ingress registers it, with
 request decoders that hand malformed bytes to the router instead of failing in grpc
-(the router's answer, INVALID_ARGUMENT, runs end to end in test_service.py)."""
+(the router's answer, INVALID_ARGUMENT, runs end to end in test_service_lifecycle.py)."""
 
 from __future__ import annotations
 

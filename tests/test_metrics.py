@@ -1,5 +1,5 @@
 """serve_app/metrics.py: how the router counts a client request around its choices (what
-reaches Ray's metrics endpoint is checked live in test_service.py and
+reaches Ray's metrics endpoint is checked live in test_service_lifecycle.py and
 test_service_auth.py)."""
 
 from __future__ import annotations
