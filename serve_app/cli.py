@@ -102,8 +102,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="every pool's torch threads per replica or TP rank (default 1, for replicas "
         "sharing a machine; a lone aggregated replica on a 2-core machine wants 2)",
     )
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--grpc-port", type=int, default=9000)
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="where this command starts Serve (default 8000); Serve keeps its ports for "
+        "every application while it runs",
+    )
+    serve.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="where this command starts Serve (default 9000); as --http-port",
+    )
     _add_app_arg(serve)
     serve.add_argument(
         "--route-prefix",
@@ -163,14 +174,26 @@ def _serve(args: argparse.Namespace) -> int:
     where = _app_name(args)
     if args.app or args.route_prefix:
         where["route_prefix"] = args.route_prefix or f"/{args.app}"
-    service_ops.deploy(config, http_port=args.http_port, grpc_port=args.grpc_port, **where)
-    log.info(
-        "serving: gRPC localhost:%d (baton.v1.Baton%s), OpenAI HTTP http://localhost:%d%s/v1",
-        args.grpc_port,
-        f", metadata application={args.app}" if args.app else "",
-        args.http_port,
-        where.get("route_prefix", "/").rstrip("/"),
+    ingress = service_ops.deploy(
+        config, http_port=args.http_port, grpc_port=args.grpc_port, **where
     )
+    grpc_service = f"baton.v1.Baton{f', metadata application={args.app}' if args.app else ''}"
+    http_path = f"{where.get('route_prefix', '/').rstrip('/')}/v1"
+    if ingress is None:
+        log.info(
+            "serving on the ports of the Serve that was already running (started outside "
+            "Baton, e.g. by a RayService: its config has them): gRPC %s, OpenAI HTTP %s",
+            grpc_service,
+            http_path,
+        )
+    else:
+        log.info(
+            "serving: gRPC localhost:%d (%s), OpenAI HTTP http://localhost:%d%s",
+            ingress.grpc_port,
+            grpc_service,
+            ingress.http_port,
+            http_path,
+        )
     return 0
 
 

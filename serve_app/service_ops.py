@@ -26,12 +26,11 @@ from pydantic import ValidationError
 from ray import serve
 
 from serve_app.config import AppConfig
+from serve_app.ingress import Ingress, ingress_for, serve_running
 from serve_app.prefix_registry import app_registry_name, remove_registry
 from serve_app.serve_config import (
     APP_NAME,
-    GRPC_PORT,
     GRPC_SERVICER_FUNCTIONS,
-    HTTP_PORT,
     MAX_REQUEST_BYTES,
 )
 from serve_app.status_board import DEFAULT_BOARD_NAME, find_board, get_or_create_board
@@ -121,14 +120,17 @@ def deploy(
     config: AppConfig,
     *,
     app_name: str = APP_NAME,
-    http_port: int = HTTP_PORT,
-    grpc_port: int = GRPC_PORT,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
     http_host: str = "0.0.0.0",
     route_prefix: str = "/",
     timeout_s: float = DEPLOY_TIMEOUT_S,
     code_version: str | None = None,
-) -> None:
-    """Deploys (or updates in place) the application; returns once it is running.
+) -> Ingress | None:
+    """Deploys (or updates in place) the application; returns once it is running, with
+    the ports its clients reach (None: Serve was started outside Baton, which alone
+    knows them). Ports apply where this call starts Serve (by default 8000 and 9000); on
+    a running Serve, one that differs from its ports is a ValueError (ingress.py).
     TimeoutError (with Serve's view of each deployment) if it is not within `timeout_s`;
     Serve goes on trying, so the operator can wait longer or deploy a smaller config.
     `code_version`: see `build_app` (by default this code's)."""
@@ -136,19 +138,24 @@ def deploy(
 
     code_version = code_version or source_digest()
     app = build_versioned_app(config, code_version)  # validates before anything starts
-    serve.start(
-        http_options={"host": http_host, "port": http_port},
-        grpc_options={
-            "port": grpc_port,
-            "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
-        },
-        # Serve's ingress per SERVE_ENV. Applies where this call starts Serve; the Helm
-        # chart sets the same variables on its pods.
-        controller_options={"runtime_env": {"env_vars": dict(SERVE_ENV)}},
-    )
+    board = get_or_create_board(DEFAULT_BOARD_NAME)
+    running = serve_running()
+    recorded = Ingress.from_record(ray.get(board.ingress.remote())) if running else None
+    ingress = ingress_for(http_port, grpc_port, running=running, recorded=recorded)
+    if not running:
+        serve.start(
+            http_options={"host": http_host, "port": ingress.http_port},
+            grpc_options={
+                "port": ingress.grpc_port,
+                "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
+            },
+            # Serve's ingress per SERVE_ENV. The Helm chart sets the same variables on
+            # its pods.
+            controller_options={"runtime_env": {"env_vars": dict(SERVE_ENV)}},
+        )
+        ray.get(board.set_ingress.remote(ingress.to_record()))
     # Stored first: Serve goes on deploying after a timeout here, and `baton scale` must
     # still find the config then. A deploy Serve refuses or fails leaves the last one.
-    board = get_or_create_board(DEFAULT_BOARD_NAME)
     previous = ray.get(board.config.remote(app_name))
     ray.get(
         board.set_config.remote(app_name, Deployed(config, route_prefix, code_version).to_record())
@@ -160,6 +167,7 @@ def deploy(
     except Exception:
         ray.get(board.set_config.remote(app_name, previous))
         raise
+    return ingress
 
 
 def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) -> None:
@@ -261,7 +269,6 @@ def scale(pool: str, num_replicas: int, app_name: str = APP_NAME, fixed: bool = 
             "`baton serve` to roll every pool onto one version",
             pool,
         )
-    # Serve is running: serve.start() inside keeps its ports whatever deploy() passes.
     deploy(
         config,
         app_name=app_name,
@@ -359,6 +366,8 @@ def stop(app_name: str = APP_NAME) -> Stopped:
     others = apps - {app_name}
     if apps and not others:
         serve.shutdown()
+        if board is not None:
+            ray.get(board.set_ingress.remote(None))
     heads = [n for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
     local = raylets()
     return Stopped(

@@ -1,4 +1,5 @@
-"""Where engine replicas post their latest stats, and `baton serve` the deployed config.
+"""Where engine replicas post their latest stats, and `baton serve` the deployed config
+and the ingress ports it started Serve with (ingress.py).
 
 Serve has no public call that reaches every replica of a deployment, so each replica
 posts a snapshot here each time Serve collects its routing stats (about once a second);
@@ -22,6 +23,7 @@ class StatusBoard:
     def __init__(self) -> None:
         self._posts: dict[str, tuple[float, dict[str, Any]]] = {}
         self._configs: dict[str, dict[str, Any]] = {}
+        self._ingress: dict[str, Any] | None = None
 
     def set_config(self, app_name: str, config: dict[str, Any] | None) -> dict[str, Any] | None:
         """Keeps (or with None forgets) an application's config; returns the one it had."""
@@ -32,6 +34,12 @@ class StatusBoard:
 
     def config(self, app_name: str) -> dict[str, Any] | None:
         return self._configs.get(app_name)
+
+    def set_ingress(self, record: dict[str, Any] | None) -> None:
+        self._ingress = record
+
+    def ingress(self) -> dict[str, Any] | None:
+        return self._ingress
 
     def post(self, replica_id: str, snapshot: dict[str, Any]) -> None:
         self._posts[replica_id] = (time.monotonic(), snapshot)

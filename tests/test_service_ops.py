@@ -17,6 +17,7 @@ from serve_app import app as app_module
 from serve_app import node_drain, service_ops
 from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, AutoscalingConfig, PoolConfig
+from serve_app.ingress import Ingress, serve_running
 from serve_app.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
 from serve_app.serve_config import (
     APP_NAME,
@@ -24,7 +25,7 @@ from serve_app.serve_config import (
     GRPC_SERVICER_FUNCTIONS,
     serve_config,
 )
-from serve_app.status_board import get_or_create_board
+from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
 
 
 @pytest.mark.slow  # a real Ray and Serve
@@ -117,7 +118,8 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
         aggregated=PoolConfig(kv_cache_bytes=KV),
         status_board_name=board_name,
     )
-    service_ops.deploy(config, **serve_ports)
+    started_on = Ingress(serve_ports["http_port"], serve_ports["grpc_port"])
+    assert service_ops.deploy(config, **serve_ports) == started_on
     board = get_or_create_board(board_name)
     (first,) = wait_for(lambda: _running_replicas(board, APP_NAME), "the first replica")
     # Baton's code edited since `baton serve` (an editable install): scaling one pool
@@ -137,7 +139,13 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     running = wait_for(settled, "2 running replicas")
     assert first in running
     assert {r["replica_id"] for r in service_ops.status()["replicas"]} == running
-    service_ops.deploy(config, app_name="neighbour", route_prefix="/neighbour", **serve_ports)
+    # Serve's ports are the cluster's: a second application is served on them, and
+    # others asked for are refused before anything is deployed.
+    neighbour = {"app_name": "neighbour", "route_prefix": "/neighbour"}
+    with pytest.raises(ValueError, match=rf"^grpc_port: .* grpc_port {started_on.grpc_port},"):
+        service_ops.deploy(config, grpc_port=started_on.grpc_port + 1, **neighbour)
+    assert "neighbour" not in serve.status().applications
+    assert service_ops.deploy(config, **neighbour) == started_on
     # The proxy Serve started runs with SERVE_ENV (it reaches the routers over gRPC).
     raylet = node_drain.raylets()[ray.get_runtime_context().get_node_id()]
     (proxy,) = [
@@ -167,7 +175,8 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     stopped = service_ops.stop("neighbour")
     assert stopped == service_ops.Stopped(app_deleted=True, apps_left=(), local_head=False)
     assert stopped.serve_shut_down
-    assert not serve.status().applications
+    assert not serve.status().applications and not serve_running()
+    assert ray.get(get_or_create_board(DEFAULT_BOARD_NAME).ingress.remote()) is None
     wait_for(lambda: not _registry_exists("neighbour"), "the neighbour's registry to go")
     stopped = service_ops.stop()
     assert stopped == service_ops.Stopped(app_deleted=False, apps_left=(), local_head=False)

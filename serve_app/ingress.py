@@ -1,0 +1,69 @@
+"""The ports clients reach: Serve's ingress has one HTTP and one gRPC port per cluster,
+fixed when Serve starts.
+
+`serve.start` on a Serve that is already running keeps the ports it runs with (and warns
+only about HTTP), so `baton serve --grpc-port P` for a second application would announce
+a port nothing listens on. `service_ops.deploy` keeps the ports it started Serve with on
+the status board; on a running Serve it announces those, and refuses a port asked for
+explicitly that differs from them, since only restarting Serve could change it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+
+from serve_app.serve_config import GRPC_PORT, HTTP_PORT
+
+
+@dataclass(frozen=True)
+class Ingress:
+    http_port: int
+    grpc_port: int
+
+    def to_record(self) -> dict[str, Any]:
+        return {"http_port": self.http_port, "grpc_port": self.grpc_port}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any] | None) -> Ingress | None:
+        return None if record is None else cls(record["http_port"], record["grpc_port"])
+
+
+def serve_running() -> bool:
+    """Whether a Serve instance runs on the connected cluster. `serve.status()` answers
+    an empty status when none does; a running one lists its proxies (one per node)."""
+    status = serve.status()
+    return bool(status.proxies or status.applications)
+
+
+def ingress_for(
+    http_port: int | None,
+    grpc_port: int | None,
+    *,
+    running: bool,
+    recorded: Ingress | None,
+) -> Ingress | None:
+    """The ports a deploy's clients will reach. Serve not `running`: the ones asked for,
+    or the defaults, which it is started with. Running: the ones it was started with
+    (`recorded` by an earlier deploy; None if Serve was started by something else, e.g. a
+    RayService, whose config holds them). ValueError for a port asked for explicitly
+    that the running Serve does not serve on."""
+    if not running:
+        return Ingress(http_port or HTTP_PORT, grpc_port or GRPC_PORT)
+    if recorded is None:
+        return None
+    for field, asked, serving in (
+        ("http_port", http_port, recorded.http_port),
+        ("grpc_port", grpc_port, recorded.grpc_port),
+    ):
+        if asked is not None and asked != serving:
+            flag = "--" + field.replace("_", "-")
+            raise ValueError(
+                f"{field}: Serve already runs on this cluster with {field} {serving}, and "
+                f"its ports are fixed when it starts, not per application: drop {flag} "
+                f"(or pass {serving}), or `baton stop` every application, which stops "
+                f"Serve, and serve again with {flag} {asked}"
+            )
+    return recorded
