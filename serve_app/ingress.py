@@ -5,7 +5,10 @@ fixed when Serve starts.
 only about HTTP), so `baton serve --grpc-port P` for a second application would announce
 a port nothing listens on. `service_ops.deploy` keeps the ports it started Serve with on
 the status board; on a running Serve it announces those, and refuses a port asked for
-explicitly that differs from them, since only restarting Serve could change it.
+explicitly that differs from them, since only restarting Serve could change it. The
+record goes when `baton stop` stops Serve, and is ignored while Serve is down; only a
+Serve restarted outside Baton while Baton was not looking (`serve shutdown`, then `serve
+run` on other ports) would outlive it.
 """
 
 from __future__ import annotations
