@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray import serve
 
 from serve_app.serve_config import GRPC_PORT, HTTP_PORT
@@ -70,3 +71,17 @@ def ingress_for(
                 f"Serve, and serve again with {flag} {asked}"
             )
     return recorded
+
+
+# The board is detached, so it outlives upgrades: one an earlier Baton started keeps no
+# ports (its handle has no such methods), which reads as Serve started outside Baton.
+def recorded_ingress(board: ray.actor.ActorHandle) -> Ingress | None:
+    """The ports `deploy` last started Serve with, as kept on the board."""
+    if not hasattr(board, "ingress"):
+        return None
+    return Ingress.from_record(ray.get(board.ingress.remote()))
+
+
+def record_ingress(board: ray.actor.ActorHandle, ingress: Ingress | None) -> None:
+    if hasattr(board, "set_ingress"):
+        ray.get(board.set_ingress.remote(None if ingress is None else ingress.to_record()))

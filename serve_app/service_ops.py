@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from serve_app.config import AppConfig
-from serve_app.ingress import Ingress, ingress_for, serve_running
+from serve_app.ingress import Ingress, ingress_for, record_ingress, recorded_ingress, serve_running
 from serve_app.prefix_registry import app_registry_name, remove_registry
 from serve_app.serve_config import (
     APP_NAME,
@@ -140,7 +140,7 @@ def deploy(
     app = build_versioned_app(config, code_version)  # validates before anything starts
     board = get_or_create_board(DEFAULT_BOARD_NAME)
     running = serve_running()
-    recorded = Ingress.from_record(ray.get(board.ingress.remote())) if running else None
+    recorded = recorded_ingress(board) if running else None
     ingress = ingress_for(http_port, grpc_port, running=running, recorded=recorded)
     if not running:
         serve.start(
@@ -153,7 +153,7 @@ def deploy(
             # its pods.
             controller_options={"runtime_env": {"env_vars": dict(SERVE_ENV)}},
         )
-        ray.get(board.set_ingress.remote(ingress.to_record()))
+        record_ingress(board, ingress)
     # Stored first: Serve goes on deploying after a timeout here, and `baton scale` must
     # still find the config then. A deploy Serve refuses or fails leaves the last one.
     previous = ray.get(board.config.remote(app_name))
@@ -367,7 +367,7 @@ def stop(app_name: str = APP_NAME) -> Stopped:
     if apps and not others:
         serve.shutdown()
         if board is not None:
-            ray.get(board.set_ingress.remote(None))
+            record_ingress(board, None)
     heads = [n for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
     local = raylets()
     return Stopped(

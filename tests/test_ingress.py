@@ -4,9 +4,11 @@ running Serve (the whole path, with a real Serve, runs in test_service_ops.py)."
 from __future__ import annotations
 
 import pytest
+import ray
 
-from serve_app.ingress import Ingress, ingress_for
+from serve_app.ingress import Ingress, ingress_for, record_ingress, recorded_ingress
 from serve_app.serve_config import GRPC_PORT, HTTP_PORT
+from serve_app.status_board import StatusBoard
 
 
 def test_serve_not_running_starts_on_the_ports_asked_for_or_the_defaults():
@@ -45,3 +47,23 @@ def test_the_board_record_round_trips():
     ingress = Ingress(8100, 9100)
     assert Ingress.from_record(ingress.to_record()) == ingress
     assert Ingress.from_record(None) is None
+
+
+@pytest.mark.slow  # a real Ray
+def test_the_board_keeps_the_ports_and_an_earlier_batons_board_has_none(ray_cluster):
+    board = ray.remote(StatusBoard).options(num_cpus=0).remote()
+    assert recorded_ingress(board) is None
+    record_ingress(board, Ingress(8100, 9100))
+    assert recorded_ingress(board) == Ingress(8100, 9100)
+    record_ingress(board, None)
+    assert recorded_ingress(board) is None
+
+    class EarlierBoard:  # detached boards outlive upgrades: one without the ports
+        def config(self, app_name: str) -> None:
+            return None
+
+    earlier = ray.remote(EarlierBoard).options(num_cpus=0).remote()
+    record_ingress(earlier, Ingress(8100, 9100))  # nowhere to keep them: not an error
+    assert recorded_ingress(earlier) is None
+    ray.kill(board)
+    ray.kill(earlier)
