@@ -13,7 +13,7 @@ run` on other ports) would outlive it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -28,11 +28,11 @@ class Ingress:
     grpc_port: int
 
     def to_record(self) -> dict[str, Any]:
-        return {"http_port": self.http_port, "grpc_port": self.grpc_port}
+        return asdict(self)
 
     @classmethod
     def from_record(cls, record: dict[str, Any] | None) -> Ingress | None:
-        return None if record is None else cls(record["http_port"], record["grpc_port"])
+        return None if record is None else cls(**record)
 
 
 def serve_running() -> bool:
