@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from common import TOPICS, cpu_count, emit, git_commit, log, median, topic_prompt  # noqa: E402
 
 from workers.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from workers.engine.engine import LLMEngine  # noqa: E402
+from workers.engine.llm_engine import LLMEngine  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
 from workers.model.default_model import ensure_default_gguf, ensure_default_model  # noqa: E402
 

@@ -63,10 +63,10 @@ from common import TOPICS, cpu_count, emit, git_commit, log, median, topic_promp
 from ray import serve
 from service_apps import Deployed, app_configs
 
-from serve_app import node_drain
 from serve_app.config import TRANSPORTS, AppConfig
-from serve_app.grpc_api import baton_pb2 as pb
-from serve_app.grpc_api import baton_pb2_grpc as pb_grpc
+from serve_app.grpc.api import baton_pb2 as pb
+from serve_app.grpc.api import baton_pb2_grpc as pb_grpc
+from serve_app.ops import node_drain
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig
 from workers.engine.sampling_params import SamplingParams
@@ -177,7 +177,7 @@ async def handoff_figures(
 ) -> tuple[float, float]:
     """Median prefill seconds and handoff seconds of single 512-token requests (decode's
     counters around each request; prefix caching is off, so every block travels)."""
-    from serve_app.client import BatonClient
+    from serve_app.ops.client import BatonClient
 
     decode = serve.get_deployment_handle("DecodeServer", app_name=app)
     prefills, handoffs = [], []
@@ -219,7 +219,7 @@ async def main_async(args: argparse.Namespace) -> None:
             dtype=args.dtype,
         )
     )
-    tok = engine.engine.tokenizer
+    tok = engine.tokenizer
     batches = {c: [topic_prompt(tok, TOPICS[i], PROMPT_TOKENS) for i in range(c)] for c in (8, 32)}
     disagg = f"disagg_{AppConfig().kv_transport()}"  # throughput over the default transport
     services = {"agg": "agg", "disagg": disagg, f"agg_si{si}": f"agg_si{si}"}

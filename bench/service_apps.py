@@ -8,9 +8,9 @@ import argparse
 from common import log
 from ray import serve
 
-from serve_app import service_ops
 from serve_app.config import TRANSPORTS, AppConfig, PoolConfig
-from serve_app.prefix_registry import app_registry_name, remove_registry
+from serve_app.ops import service_ops
+from serve_app.routing.prefix_registry import app_registry_name, remove_registry
 from serve_app.serve_config import GRPC_SERVICER_FUNCTIONS
 
 

@@ -26,10 +26,12 @@ import ray
 import torch
 from common import cpu_count, emit, git_commit, log, median
 
-from workers.engine.model_runner import ModelRunner, RunnerSpec, SeqChunk, StepInput
 from workers.model.config import ModelConfig
 from workers.model.default_model import ensure_default_model
-from workers.tp.group import TPWorkerGroup
+from workers.runner.model_runner import ModelRunner
+from workers.runner.runner_spec import RunnerSpec
+from workers.runner.step_io import SeqChunk, StepInput
+from workers.runner.tp_group import TPWorkerGroup
 
 BLOCK = 16
 PROMPT_LEN = 32

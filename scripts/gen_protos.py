@@ -1,6 +1,6 @@
 """Regenerates the Python gRPC modules from every `protos/**/*.proto`.
 
-    python scripts/gen_protos.py            # rewrite serve_app/grpc_api/*_pb2*.py[i]
+    python scripts/gen_protos.py            # rewrite serve_app/grpc/api/*_pb2*.py[i]
     python scripts/gen_protos.py --check    # exit 1 if the checked-in modules are stale
 
 Runs `grpc_tools.protoc` (python_out, grpc_python_out, pyi_out) with the `protos/` tree
@@ -8,7 +8,7 @@ and grpc_tools' bundled well-known types on the include path, flattens the outpu
 one package and rewrites protoc's absolute imports between generated modules
 (`from baton.v1 import baton_pb2`) into relative ones (`from . import baton_pb2`), and
 the module name the message classes record, so they import (and unpickle) as
-`serve_app.grpc_api.*` from the installed package. Output depends on
+`serve_app.grpc.api.*` from the installed package. Output depends on
 the grpcio-tools version; tests/test_protos.py checks the checked-in files are current.
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = ROOT / "protos"
-DEFAULT_OUT = ROOT / "serve_app" / "grpc_api"
+DEFAULT_OUT = ROOT / "serve_app" / "grpc" / "api"
 # The import path of the generated modules: their message classes must say so in
 # __module__, or pickle (Ray shipping a request between processes) cannot find them.
-PYTHON_PACKAGE = "serve_app.grpc_api"
+PYTHON_PACKAGE = "serve_app.grpc.api"
 # What protoc writes per .proto; anything else in the package (__init__.py) is hand-written.
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 

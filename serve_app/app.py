@@ -25,9 +25,9 @@ from serve_app.config import AppConfig, PoolConfig
 from serve_app.engine_server import EngineServer
 from serve_app.router import Router
 from serve_app.serve_config import DEPLOYMENT_NAMES, ROUTER_NAME, pool_ongoing_requests, pool_scale
-from workers.engine.kv_transport import check_transport
-from workers.model.config import ModelConfig
-from workers.tp.group import rank_bundle
+from workers.engine import check_transport
+from workers.model import ModelConfig
+from workers.runner import rank_bundle
 
 # How often replicas report load and KV usage to the request router.
 ROUTING_STATS_PERIOD_S = 1.0
@@ -71,12 +71,12 @@ def _pool_options(role: str, pool: PoolConfig, num_routers: int) -> dict[str, An
             "resources": dict(pool.resources),
         },
         "request_router_config": RequestRouterConfig(
-            request_router_class="serve_app.request_routing:KVAwareRequestRouter",
+            request_router_class="serve_app.routing.request_router:KVAwareRequestRouter",
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         ),
         # Loading a model takes a while; a busy CPU engine must not look dead. A failed
         # engine is replaced after three failed checks (~6 s, not Serve's default ~30 s);
-        # the request router stops sending it requests sooner (request_routing.py).
+        # the request router stops sending it requests sooner (serve_app/routing/request_router.py).
         "health_check_timeout_s": 60,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,

@@ -19,13 +19,12 @@ from pydantic import (
     model_validator,
 )
 
-from serve_app.prefix_registry import PrefixRegistryConfig, app_registry_name
+from serve_app.routing.prefix_registry import PrefixRegistryConfig, app_registry_name
 from serve_app.status_board import DEFAULT_BOARD_NAME
-from workers.engine.config import EngineConfig, SpeculativeConfig
-from workers.engine.scheduler import SchedulerConfig
-from workers.model.config import ModelConfig
+from workers.engine import EngineConfig, SchedulerConfig, SpeculativeConfig
+from workers.model import ModelConfig
 
-# How prefill's KV blocks reach decode (workers/engine/kv_transport.py): "nixl" (Ray
+# How prefill's KV blocks reach decode (workers/kv/transport.py): "nixl" (Ray
 # Direct Transport: decode pulls the KV heads straight from the prefill ranks holding
 # them), "object_store" (Ray's object store: works anywhere) or "auto" (AppConfig
 # .kv_transport: nixl where a pool runs on GPUs or decodes at TP > 1, else the object
@@ -224,7 +223,7 @@ class AppConfig(_Frozen):
     def model_dir(self) -> Path:
         """The model's local folder (the bundled default is unpacked on first use)."""
         if self.model == "default":
-            from workers.model.default_model import ensure_default_model
+            from workers.model import ensure_default_model
 
             return ensure_default_model()
         path = Path(self.model).expanduser()
@@ -295,7 +294,7 @@ class AppConfig(_Frozen):
             model_id=model_id,
             handoff_timeout_s=self.handoff_timeout_s,
             kv_transport=self.kv_transport(),
-            detokenize=False,  # the router makes the text (serve_app/text_stream.py)
+            detokenize=False,  # the router makes the text (serve_app/streaming/text_stream.py)
             speculative=(
                 SpeculativeConfig(num_tokens=pool.speculative_tokens)
                 if pool.speculative_tokens

@@ -4,12 +4,12 @@ A replica owns an `AsyncEngine` (its TP ranks, if any, are Ray actors of their o
 plays one role:
 
 - "aggregated": `generate` runs the whole request here (its outputs go to the router on
-  the call or on the router's subscription, `output_mux.py`);
+  the call or on the router's subscription, `serve_app/streaming/output_mux.py`);
 - "prefill": `prefill` computes the prompt, samples the first token and returns it with
   the KV blocks the caller lacks (the blocks are released here as they leave);
 - "decode": `generate` gets the first token and the blocks it lacks from the prefill
-  pool, imports them and decodes (`decode_handoff.py`: the handoff and its fallbacks;
-  `selective_disaggregation.py`: when it prefills a prompt itself instead).
+  pool, imports them and decodes (`handoff/decode_handoff.py`: the handoff and its fallbacks;
+  `serve_app/handoff/selective_disaggregation.py`: when it prefills a prompt itself instead).
 
 Each replica publishes its prefix cache's stored/evicted block hashes to the prefix
 registry, and its load and KV usage to Serve's request router (`record_routing_stats`).
@@ -29,20 +29,22 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
-from serve_app.decode_handoff import DecodeHandoff, HandoffStats
 from serve_app.gpu_telemetry import read_gpus, replica_gpus
+from serve_app.handoff.decode_handoff import DecodeHandoff, HandoffStats
 from serve_app.metrics import ReplicaMetrics
-from serve_app.output_mux import OutputChannels
-from serve_app.prefix_registry import HEARTBEAT_S, get_or_create_registry
 from serve_app.protocol import EngineRequest, PrefillResult, StreamStart, Subscription
+from serve_app.routing.prefix_registry import HEARTBEAT_S, get_or_create_registry
 from serve_app.status_board import get_or_create_board
-from workers.engine.async_engine import AsyncEngine
-from workers.engine.block_hash import BlockHash
-from workers.engine.config import kv_cache_bytes_per_block
-from workers.engine.errors import EngineDeadError
-from workers.engine.outputs import RequestOutput
-from workers.engine.sequence import FinishReason
-from workers.model.loader import model_identity
+from serve_app.streaming.output_mux import OutputChannels
+from workers.engine import (
+    AsyncEngine,
+    BlockHash,
+    EngineDeadError,
+    FinishReason,
+    RequestOutput,
+    kv_cache_bytes_per_block,
+)
+from workers.model import model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class EngineServer:
         )
         # A TP replica's GPUs are its ranks' (on its node: one placement group).
         self._visible_gpus = (
-            self.engine.engine.runner.visible_devices()
+            self.engine.rank_devices()
             if pool.tensor_parallel_size > 1 and pool.num_gpus > 0
             else None
         )
@@ -99,7 +101,7 @@ class EngineServer:
         # One block of the prefill pool's export: all layers and KV heads, in its dtype.
         prefill = config.engine_config(config.prefill, str(config.model_dir()), None)
         block_bytes = kv_cache_bytes_per_block(
-            self.engine.engine.model_config, config.block_size, prefill.resolved_dtype()
+            self.engine.model_config, config.block_size, prefill.resolved_dtype()
         )
         return DecodeHandoff(
             self.engine,
@@ -121,7 +123,7 @@ class EngineServer:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamStart | RequestOutput]:
         """A `StreamStart`, then the request's outputs unless they go to the router's
-        subscription (aggregated and decode roles; see output_mux.py)."""
+        subscription (aggregated and decode roles; see serve_app/streaming/output_mux.py)."""
         if self.role == "prefill":
             raise ValueError("a prefill replica runs prefill(), not generate()")
         if self.role == "decode":
@@ -137,7 +139,7 @@ class EngineServer:
             yield item
 
     async def subscribe(self, sub: Subscription) -> AsyncIterator[str | list[RequestOutput]]:
-        """A router's output subscription to this replica (output_mux.py)."""
+        """A router's output subscription to this replica (serve_app/streaming/output_mux.py)."""
         if self.role == "prefill":
             raise ValueError("a prefill replica streams no outputs to routers")
         async for item in self.channels.subscribe(sub):
@@ -176,11 +178,8 @@ class EngineServer:
         try:
             # One engine command, so the blocks are released even if this task is
             # cancelled while it waits for the copy.
-            handle, parts = await self.engine.call(
-                lambda e: (
-                    e.export_kv(rid, skip_blocks, dst_tp, transport),
-                    e.release_handoff(rid),
-                )[0]
+            handle, parts = await self.engine.export_kv(
+                rid, skip_blocks, dst_tp, transport, release=True
             )
             released = True
         finally:
@@ -230,13 +229,13 @@ class EngineServer:
             logger.warning("the prefix registry is gone; starting a new one")
             self._last_publish = None
             self.registry = get_or_create_registry(self.registry_config)
-            self.engine.engine.resend_cached_blocks()
+            self.engine.resend_cached_blocks()
         session = _answer(self._last_publish)
         if session is not None and session != self._registry_session:
             if self._registry_session is not None:
                 logger.warning("the prefix registry forgot this replica; resending its cache")
             self._registry_session = session
-            self.engine.engine.resend_cached_blocks()
+            self.engine.resend_cached_blocks()
         if _actor_lost(self._last_post):
             logger.warning("the status board is gone; starting a new one")
             self._last_post = None
@@ -265,7 +264,7 @@ class EngineServer:
     async def live_kv_exports(self) -> tuple[int, int]:
         """(objects, bytes) of KV this replica's ranks exported that a decode replica still
         references: a handoff's export lives until its import, then Ray frees it."""
-        return await asyncio.to_thread(self.engine.engine.live_kv_exports)
+        return await asyncio.to_thread(self.engine.live_kv_exports)
 
     async def __del__(self) -> None:
         # Serve calls this on graceful shutdown (scale down, redeploy), and also after a

@@ -17,8 +17,8 @@ from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from serve_app.api_keys import Unauthenticated
-from serve_app.output_mux import SubscriptionLost
-from workers.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from serve_app.streaming.output_mux import SubscriptionLost
+from workers.engine import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

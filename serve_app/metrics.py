@@ -21,7 +21,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 from serve_app.errors import public_error
 from serve_app.gpu_telemetry import GpuReport
-from workers.engine.outputs import EngineStats, RequestOutput
+from workers.engine import EngineStats, RequestOutput
 
 _LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 _ITL_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0]

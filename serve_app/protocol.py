@@ -3,7 +3,7 @@
 The router turns a client request into an `EngineRequest` (tokens, checked sampling
 parameters, block hashes and the registry's answer of who holds how much of the
 prefix); engine replicas stream `RequestOutput`s back, on the call or, batched per
-step, on the router's `Subscription` (output_mux.py). In disaggregated mode the
+step, on the router's `Subscription` (serve_app/streaming/output_mux.py). In disaggregated mode the
 decode replica asks the prefill pool for a `PrefillResult`: the first token and the
 KV blocks decode lacks.
 """
@@ -13,11 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from workers.engine.block_hash import BlockHash
-from workers.engine.kv_transfer import KVHandle
-from workers.engine.kv_transport import KVPart
-from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import SamplingParams
+from workers.engine import BlockHash, KVHandle, KVPart, RequestOutput, SamplingParams
 
 # Serve's request router reads this attribute of a request's first argument.
 ROUTING_HINT_ATTR = "prefix_hits"
@@ -34,7 +30,7 @@ class EngineRequest:
     # Serve replica id -> leading blocks of this prompt the prefix registry says it holds
     # (advisory: routing prefers long prefixes, engines confirm every block anyway).
     prefix_hits: Mapping[str, int] = field(default_factory=dict)
-    # The router's id for output multiplexing (output_mux.py); None: outputs on the call.
+    # The router's id for output multiplexing (streaming/output_mux.py); None: outputs on the call.
     router_id: str | None = None
 
 

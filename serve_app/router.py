@@ -23,22 +23,24 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app import openai_api, openai_body
 from serve_app.api_keys import ApiKeys, authorization
 from serve_app.config import AppConfig
 from serve_app.errors import public_error
-from serve_app.grpc_api import baton_pb2 as pb
-from serve_app.grpc_health import HealthService
-from serve_app.grpc_service import (
+from serve_app.grpc.api import baton_pb2 as pb
+from serve_app.grpc.health import HealthService
+from serve_app.grpc.service import (
     model_info,
     params_from_proto,
     prompt_from_proto,
     response_from_outputs,
     set_status,
 )
-from serve_app.grpc_servicer import MalformedRequest, decoded
+from serve_app.grpc.servicer import MalformedRequest, decoded
 from serve_app.metrics import RouterMetrics
-from serve_app.openai_responses import (
+from serve_app.model_frontend import ModelFrontend, PromptInput
+from serve_app.openai import body as openai_body
+from serve_app.openai import requests as openai_api
+from serve_app.openai.responses import (
     Echo,
     ResponseBuilder,
     error_body,
@@ -48,16 +50,13 @@ from serve_app.openai_responses import (
     unaborted,
     without_completion,
 )
-from serve_app.output_mux import OutputDemux
-from serve_app.prefix_registry import RegistryLookup
-from serve_app.prompts import ModelFrontend, PromptInput
 from serve_app.protocol import EngineRequest
-from serve_app.stream_merge import merge_streams
-from serve_app.text_stream import TextStream
-from workers.engine.errors import InvalidRequestError
-from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import SamplingParams
-from workers.model.loader import model_identity
+from serve_app.routing.prefix_registry import RegistryLookup
+from serve_app.streaming.output_mux import OutputDemux
+from serve_app.streaming.stream_merge import merge_streams
+from serve_app.streaming.text_stream import TextStream
+from workers.engine import InvalidRequestError, RequestOutput, SamplingParams
+from workers.model import model_identity
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ ROUTER_NAME = "Router"
 # Services Serve's gRPC proxy registers and routes to the router deployment (a method of
 # the same name answers each RPC). Server reflection is the proxy's own (enable_reflection).
 GRPC_SERVICER_FUNCTIONS = (
-    "serve_app.grpc_servicer.add_baton_servicer_to_server",
-    "serve_app.grpc_servicer.add_health_servicer_to_server",
+    "serve_app.grpc.servicer.add_baton_servicer_to_server",
+    "serve_app.grpc.servicer.add_health_servicer_to_server",
 )
 
 
@@ -78,7 +78,7 @@ def serve_config(
 def pool_ongoing_requests(role: str, pool: PoolConfig, num_routers: int) -> int:
     """A pool replica's Serve `max_ongoing_requests`: the requests it admits, plus one slot
     per router on a replica that streams to routers (aggregated, decode), whose output
-    subscription (output_mux.py) is an ongoing request of its own there. An override
+    subscription (streaming/output_mux.py) is an ongoing request of its own there. An override
     rather than an argument: the router count is not in the application's `args`."""
     return pool.max_ongoing_requests + (0 if role == "prefill" else num_routers)
 

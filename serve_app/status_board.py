@@ -1,5 +1,5 @@
 """Where engine replicas post their latest stats, and `baton serve` the deployed config
-and the ingress ports it started Serve with (ingress.py).
+and the ingress ports it started Serve with (serve_app/ops/ports.py).
 
 Serve has no public call that reaches every replica of a deployment, so each replica
 posts a snapshot here each time Serve collects its routing stats (about once a second);

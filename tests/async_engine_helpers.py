@@ -14,7 +14,7 @@ from collections.abc import Callable
 from engine_helpers import GREEDY
 
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 

@@ -180,8 +180,8 @@ def make_tiny_gguf() -> Callable[..., dict[str, np.ndarray]]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A small random-weight Llama folder (tiny_model's defaults), one per module. Used by the
-    test_engine*, test_async_engine* and test_kv_transfer* modules among others; a module
-    wanting another defines its own."""
+    test_llm_engine*, test_async_engine*, test_kv_cache_copy and test_handoff* modules among
+    others; a module wanting another defines its own."""
     from tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
@@ -279,8 +279,8 @@ def service(request, ray_cluster, smollm2_dir, serve_ports):
     from ray import serve
     from service_helpers import KV, _leftovers
 
-    from serve_app import service_ops
     from serve_app.config import AppConfig, PoolConfig
+    from serve_app.ops import service_ops
 
     # Serve retries a replica it cannot place for ever: a CPU an earlier test left
     # reserved would turn the scaling test into a hang, so find it here (after a grace
@@ -323,7 +323,7 @@ def service(request, ray_cluster, smollm2_dir, serve_ports):
 @pytest.fixture(scope="module")
 def disagg(service):
     """A gRPC client of `service`'s "disagg" application."""
-    from serve_app.client import BatonClient
+    from serve_app.ops.client import BatonClient
 
     with BatonClient(service["grpc"], application="disagg") as client:
         yield client
@@ -332,7 +332,7 @@ def disagg(service):
 @pytest.fixture(scope="module")
 def agg(service):
     """A gRPC client of `service`'s "agg" application."""
-    from serve_app.client import BatonClient
+    from serve_app.ops.client import BatonClient
 
     with BatonClient(service["grpc"], application="agg") as client:
         yield client

@@ -4,7 +4,7 @@ params, an engine on the tiny model, and its outputs for a batch of prompts."""
 from __future__ import annotations
 
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

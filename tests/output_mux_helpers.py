@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 
-from serve_app.output_mux import OutputChannels, OutputDemux
 from serve_app.protocol import Subscription
+from serve_app.streaming.output_mux import OutputChannels, OutputDemux
 from workers.engine.outputs import RequestOutput
 
 

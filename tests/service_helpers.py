@@ -13,10 +13,10 @@ import urllib.request
 import ray
 from ray import serve
 
-from serve_app.client import generate_request
-from serve_app.grpc_api import baton_pb2 as pb
-from serve_app.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
-from serve_app.prompts import ModelFrontend, PromptInput
+from serve_app.grpc.api import baton_pb2 as pb
+from serve_app.model_frontend import ModelFrontend, PromptInput
+from serve_app.ops.client import generate_request
+from serve_app.routing.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
 from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import model_identity
@@ -42,7 +42,7 @@ def baton(*args: str) -> subprocess.CompletedProcess:
     """The `baton` command as an operator runs it, joining this process's Ray cluster."""
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     return subprocess.run(
-        [sys.executable, "-m", "serve_app.cli", *args],
+        [sys.executable, "-m", "serve_app.ops.cli", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -17,7 +17,7 @@ from serve_app.serve_config import (
     ROUTER_NAME,
     serve_config,
 )
-from workers.engine.kv_transport import TRANSPORTS as ENGINE_TRANSPORTS
+from workers.kv.transport import TRANSPORTS as ENGINE_TRANSPORTS
 
 
 @pytest.fixture(scope="module")

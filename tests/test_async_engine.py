@@ -25,10 +25,10 @@ from engine_helpers import GREEDY, _engine
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import LLMEngine
-from workers.engine.errors import EngineDeadError, EngineOverloadedError
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import FinishReason
+from workers.errors import EngineDeadError, EngineOverloadedError
 
 
 def test_cancelling_a_consumer_aborts_its_request_and_frees_blocks(model_dir):

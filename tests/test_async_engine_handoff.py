@@ -18,8 +18,8 @@ from engine_helpers import GREEDY, _engine
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.errors import EngineDeadError
-from workers.engine.kv_transport import KVRef
+from workers.errors import EngineDeadError
+from workers.kv.transport import KVRef
 
 
 def test_a_prefill_only_stream_hands_off_to_a_second_engine_through_call(model_dir):
@@ -60,7 +60,7 @@ def test_an_import_that_fails_in_the_engine_fails_the_engine_not_only_its_reques
             def broken(*args):
                 raise RuntimeError("rank 1 died mid-copy")
 
-            decode.engine.runner.import_blocks = broken
+            decode._engine.runner.import_blocks = broken
             with pytest.raises(EngineDeadError, match="rank 1 died mid-copy"):
                 [o async for o in decode.generate_prefilled("r", prompt, GREEDY, handle, parts)]
             assert not decode.is_healthy()
@@ -81,7 +81,7 @@ def test_tp_decode_ranks_pull_the_handoff_the_export_is_freed_at_import_a_cancel
     expected = [s.output_token_ids for s in _engine(model_dir).generate(prompts, GREEDY)]
 
     def pulled_and_staged(engine: AsyncEngine) -> list[tuple[int, int]]:
-        return [(n, s) for n, _, s in engine.engine.runner.pull_stats()]
+        return [(n, s) for n, _, s in engine._engine.runner.pull_stats()]
 
     async def handoff(prefill: AsyncEngine, rid: str, prompt: list[int]):
         [o async for o in prefill.generate(rid, prompt, GREEDY, prefill_only=True)]
@@ -97,12 +97,12 @@ def test_tp_decode_ranks_pull_the_handoff_the_export_is_freed_at_import_a_cancel
             for i, prompt in enumerate(prompts[:2]):
                 handle, parts = await handoff(prefill, f"r{i}", prompt)
                 nbytes = sum(p.nbytes for p in parts)
-                assert prefill.engine.live_kv_exports() == (2, nbytes)  # one slice per rank
+                assert prefill.live_kv_exports() == (2, nbytes)  # one slice per rank
                 stream = decode.generate_prefilled(f"r{i}", prompt, GREEDY, handle, parts)
                 del parts  # from here on only the decode side holds the export
                 first = await anext(stream)  # comes after the import
                 # The prefill ranks free their slices now, not when the request ends.
-                await _until(lambda: prefill.engine.live_kv_exports() == (0, 0), "the free")
+                await _until(lambda: prefill.live_kv_exports() == (0, 0), "the free")
                 got.append(first.new_token_ids + [t async for o in stream for t in o.new_token_ids])
             # Two at once: the second pull waits for the first one's import.
             exports = [await handoff(prefill, f"s{i}", p) for i, p in enumerate(prompts[:2])]
@@ -215,14 +215,14 @@ def test_a_tp_rank_that_dies_during_a_pull_makes_the_engine_unhealthy_at_once(
     async def main():
         engine = AsyncEngine(_engine(model_dir, tensor_parallel_size=2))
         try:
-            cfg, block = engine.engine.model_config, engine.engine.config.block_size
+            cfg, block = engine._engine.model_config, engine._engine.config.block_size
             shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 1, block, cfg.head_dim)
             data = ray.put(torch.zeros(shape))
             part = KVRef(((0, shape[2], data),), shape, torch.float32, 0, 1)
             assert engine.is_healthy()
-            ray.kill(engine.engine.runner.workers[1])
+            ray.kill(engine._engine.runner.workers[1])
             with pytest.raises(EngineDeadError, match="TP rank 1 of 2 failed"):
-                await asyncio.to_thread(engine.engine.prefetch_kv, [part])
+                await asyncio.to_thread(engine._engine.prefetch_kv, [part])
             assert not engine.is_healthy()
         finally:
             await engine.shutdown()

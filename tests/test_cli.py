@@ -9,8 +9,8 @@ import typing
 import pytest
 from tiny_model import make_tiny_model
 
-from serve_app import cli, service_ops
-from serve_app.cli import main
+from serve_app.ops import cli, service_ops
+from serve_app.ops.cli import main
 from serve_app.serve_config import APP_NAME
 
 
@@ -72,7 +72,7 @@ def test_what_ray_refuses_is_one_line_and_exit_1_and_a_bug_keeps_its_traceback(m
 def test_serve_refuses_a_bad_config_in_one_line_before_starting_ray(
     model_dir, tmp_path, capsys, monkeypatch, file_text, flags, message
 ):
-    from serve_app import service_ops
+    from serve_app.ops import service_ops
 
     connected = []
     monkeypatch.setattr(service_ops, "connect", lambda *a, **k: connected.append(a))
@@ -87,8 +87,8 @@ def test_serve_refuses_a_bad_config_in_one_line_before_starting_ray(
 
 
 def test_the_dtype_choices_are_the_configs():
-    from serve_app.cli import DTYPES
     from serve_app.config import DType
+    from serve_app.ops.cli import DTYPES
 
     assert typing.get_args(DType) == DTYPES
 
@@ -105,7 +105,7 @@ def test_the_dtype_choices_are_the_configs():
 def test_serve_deploys_the_named_application_under_its_route_prefix(
     model_dir, monkeypatch, flags, where
 ):
-    from serve_app import service_ops
+    from serve_app.ops import service_ops
 
     deployed = []
     monkeypatch.setattr(service_ops, "connect", lambda *a, **k: None)
@@ -137,7 +137,7 @@ def test_stop_stops_ray_only_where_baton_started_it_and_nothing_else_runs(
 
 @pytest.mark.parametrize(("serving_left", "status"), [(0, 0), (2, 1)])
 def test_drain_exits_1_while_the_node_still_serves(monkeypatch, serving_left, status):
-    from serve_app import node_drain
+    from serve_app.ops import node_drain
 
     def drain(node_id, deadline_s, address):
         return node_drain.DrainResult(node_id or "n1", serving_left, 3.0)

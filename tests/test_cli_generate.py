@@ -1,5 +1,5 @@
 """`baton generate` as a user runs it: a real subprocess, stdout holds only the completion
-(serve_app/cli_generate.py)."""
+(serve_app/ops/generate.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 from tiny_model import make_tiny_model
 
-from serve_app import cli, cli_generate
-from serve_app.cli import main
+from serve_app.ops import cli
+from serve_app.ops import generate as cli_generate
+from serve_app.ops.cli import main
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -25,7 +26,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def built_engines(monkeypatch) -> list[LLMEngine]:
     """The engines `baton generate --local` builds, kept for the test to inspect."""
-    from workers.engine import engine as engine_module
+    import workers.engine as engine_module
 
     built: list[LLMEngine] = []
 
@@ -34,14 +35,14 @@ def built_engines(monkeypatch) -> list[LLMEngine]:
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    # The CLI imports LLMEngine from this module when it runs a command.
+    # The CLI imports LLMEngine from the engine package when it runs a command.
     monkeypatch.setattr(engine_module, "LLMEngine", Recorded)
     return built
 
 
 def _baton(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "serve_app.cli", *args],
+        [sys.executable, "-m", "serve_app.ops.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -130,7 +131,7 @@ def test_bad_arguments_exit_2_with_the_field_named(model_dir, args, message, cap
 
 
 def test_unset_flags_leave_the_services_defaults_to_apply():
-    from serve_app import grpc_service
+    from serve_app.grpc import service as grpc_service
 
     assert cli_generate.DEFAULT_MAX_TOKENS == grpc_service.DEFAULT_MAX_TOKENS
     bare = cli_generate._remote_request(cli._build_parser().parse_args(["generate", "hi"]), None)

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from serve_app.cli import _build_parser
 from serve_app.config import AppConfig
+from serve_app.ops.cli import _build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 POOL_NODE_TYPES = {"prefill": "prefill_gpu", "decode": "decode_gpu"}

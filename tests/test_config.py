@@ -7,9 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import AppConfig
-from serve_app.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
+from serve_app.ops.service_ops import Deployed
+from serve_app.routing.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
 from serve_app.serve_config import serve_config
-from serve_app.service_ops import Deployed
 
 
 def test_applications_on_one_cluster_get_a_registry_each_by_default():

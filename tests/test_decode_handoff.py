@@ -1,4 +1,4 @@
-"""serve_app/decode_handoff.py on a real in-process engine (tiny model) and a prefill
+"""serve_app/handoff/decode_handoff.py on a real in-process engine (tiny model) and a prefill
 pool that answers, or fails, as Serve's handle would (the whole path runs live in
 test_service*.py)."""
 
@@ -13,15 +13,15 @@ from async_engine_helpers import _collect
 from engine_helpers import GREEDY, _engine
 from ray.exceptions import RayActorError
 
-from serve_app.decode_handoff import DecodeHandoff
 from serve_app.engine_server import EngineServer
+from serve_app.handoff.decode_handoff import DecodeHandoff
 from serve_app.protocol import EngineRequest, PrefillResult
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import hash_full_blocks, root_hash
-from workers.engine.kv_transfer import StalePrefixError
-from workers.engine.kv_transport import KVTransferError
+from workers.engine.handoff.handle import StalePrefixError
 from workers.engine.outputs import RequestOutput
 from workers.engine.sequence import FinishReason
+from workers.kv.transport import KVTransferError
 
 PROMPT = list(range(5, 45))  # 2 full blocks of 16 and a partial one
 BLOCK_BYTES = 4096  # what each block of an export counts for in the handoff budget
@@ -64,7 +64,7 @@ def _handoff(engine: AsyncEngine, pool, recomputed: list | None = None, **kw) ->
 
 
 def _request(engine: AsyncEngine, prompt: list[int]) -> EngineRequest:
-    kv = engine.engine.kv  # hashed as the router hashes a prompt
+    kv = engine._engine.kv  # hashed as the router hashes a prompt
     hashes = hash_full_blocks(prompt, kv.block_size, root_hash(kv.model_id, None))
     return EngineRequest("r", tuple(prompt), GREEDY, None, block_hashes=tuple(hashes))
 
@@ -258,8 +258,8 @@ def test_a_handoff_decodes_as_one_engine_would_and_frees_its_budget_at_the_impor
             assert stats.blocks_received == 3  # the whole prompt: decode held none of it
             # Closed after its first output, a request is aborted at once on decode, not
             # whenever its inner streams are garbage-collected.
-            aborts, enqueue = [], decode._enqueue_abort
-            decode._enqueue_abort = lambda abort: aborts.append(abort) or enqueue(abort)
+            aborts, enqueue = [], decode._thread.abort
+            decode._thread.abort = lambda abort: aborts.append(abort) or enqueue(abort)
             outputs = handoff.generate(_request(decode, PROMPT))
             await anext(outputs)
             await outputs.aclose()

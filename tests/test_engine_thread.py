@@ -15,7 +15,7 @@ from engine_helpers import GREEDY, _engine
 from tiny_model import random_prompts
 
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.errors import EngineDeadError
+from workers.errors import EngineDeadError
 
 
 def test_idle_engine_thread_sleeps_and_wakes_on_a_request(model_dir):

@@ -5,12 +5,12 @@ them (`-m "not gpu"`); run `pytest -m gpu` on a machine with one."""
 from __future__ import annotations
 
 import pytest
-from kv_transfer_helpers import _drain
+from handoff_helpers import _drain
 
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
-from workers.engine.kv_transfer import KVBlocks
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
+from workers.kv.blocks import KVBlocks
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""serve_app/grpc_health.py: the router's grpc.health.v1.Health methods, served here by
+"""serve_app/grpc/health.py: the router's grpc.health.v1.Health methods, served here by
 a plain grpc.aio server registered as Serve's ingress registers them (the same methods
 behind Serve's ingress run in test_service.py and test_service_auth.py)."""
 
@@ -11,8 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serve_app.api_keys import Unauthenticated
-from serve_app.grpc_health import HealthService
-from serve_app.grpc_servicer import add_health_servicer_to_server
+from serve_app.grpc.health import HealthService
+from serve_app.grpc.servicer import add_health_servicer_to_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_UTF8 = b"\x0a\x02\xff\xfe"  # HealthCheckRequest.service (field 1) holding invalid UTF-8

@@ -15,19 +15,19 @@ from ray.serve.exceptions import (
     RequestCancelledError,
 )
 
-from serve_app.grpc_api import baton_pb2 as pb
-from serve_app.grpc_service import (
+from serve_app.grpc.api import baton_pb2 as pb
+from serve_app.grpc.service import (
     DEFAULT_MAX_TOKENS,
     params_from_proto,
     prompt_from_proto,
     response_from_outputs,
     status_for,
 )
-from serve_app.output_mux import SubscriptionLost
-from workers.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from serve_app.streaming.output_mux import SubscriptionLost
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason
+from workers.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 
 def test_unset_optional_fields_take_the_defaults_and_set_ones_are_kept():

@@ -1,4 +1,4 @@
-"""serve_app/grpc_servicer.py: the Baton service as Serve's ingress registers it, with
+"""serve_app/grpc/servicer.py: the Baton service as Serve's ingress registers it, with
 request decoders that hand malformed bytes to the router instead of failing in grpc
 (the router's answer, INVALID_ARGUMENT, runs end to end in test_service_lifecycle.py)."""
 
@@ -10,10 +10,10 @@ from concurrent import futures
 import grpc
 import pytest
 
-from serve_app.grpc_api import baton_pb2 as pb
-from serve_app.grpc_api import baton_pb2_grpc
-from serve_app.grpc_servicer import MalformedRequest, add_baton_servicer_to_server, decoded
-from workers.engine.errors import InvalidRequestError
+from serve_app.grpc.api import baton_pb2 as pb
+from serve_app.grpc.api import baton_pb2_grpc
+from serve_app.grpc.servicer import MalformedRequest, add_baton_servicer_to_server, decoded
+from workers.errors import InvalidRequestError
 
 NOT_UTF8 = b"\x12\x02\xff\xfe"  # GenerateRequest.text (field 2) holding invalid UTF-8
 

@@ -18,8 +18,8 @@ from helm_chart_helpers import (
     value_sets,
 )
 
-from serve_app.cli import _build_parser
-from serve_app.service_ops import SERVE_ENV
+from serve_app.ops.cli import _build_parser
+from serve_app.ops.service_ops import SERVE_ENV
 
 
 def _pods(rayservice: dict) -> dict[str, dict]:

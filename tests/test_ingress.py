@@ -1,4 +1,4 @@
-"""serve_app/ingress.py: which ports a deploy's clients reach, and the ports refused on a
+"""serve_app/ops/ports.py: which ports a deploy's clients reach, and the ports refused on a
 running Serve (the whole path, with a real Serve, runs in test_service_ops.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from serve_app.ingress import Ingress, ingress_for, record_ingress, recorded_ingress
+from serve_app.ops.ports import Ingress, ingress_for, record_ingress, recorded_ingress
 from serve_app.serve_config import GRPC_PORT, HTTP_PORT
 from serve_app.status_board import StatusBoard
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from workers.engine.config import EngineConfig
-from workers.engine.kv_transfer import KVBlocks
-from workers.engine.kv_transport import (
+from workers.kv.blocks import KVBlocks
+from workers.kv.transport import (
     KVRef,
     check_transport,
     fetch,

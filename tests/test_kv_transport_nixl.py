@@ -12,8 +12,8 @@ import torch
 from tiny_model import make_tiny_model
 
 from workers.engine.config import EngineConfig
-from workers.engine.kv_transfer import KVBlocks
-from workers.engine.kv_transport import KVRef, KVTransferError, fetch, fetch_all, publish
+from workers.kv.blocks import KVBlocks
+from workers.kv.transport import KVRef, KVTransferError, fetch, fetch_all, publish
 
 # The nixl tests run their transfers in actors they kill afterwards, so no NIXL agent
 # outlives its test.
@@ -156,7 +156,7 @@ def test_engines_hand_off_over_nixl_between_tp_degrees(ray_cluster, tmp_path):
         """A prefill and a decode engine, in a process killed afterwards."""
 
         def handoffs(self, prefill_tp: int, decode_tp: int, prefetch: bool, cut: bool) -> dict:
-            from workers.engine.engine import LLMEngine
+            from workers.engine.llm_engine import LLMEngine
             from workers.engine.sampling_params import SamplingParams
 
             def engine(**kw) -> LLMEngine:
@@ -230,7 +230,7 @@ def test_prefetched_kv_is_released_when_its_request_does_not_import_it(ray_clust
             import time
             from dataclasses import replace
 
-            from workers.engine.engine import LLMEngine
+            from workers.engine.llm_engine import LLMEngine
             from workers.engine.sampling_params import SamplingParams
 
             def engine(**kw) -> LLMEngine:

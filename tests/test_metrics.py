@@ -11,10 +11,10 @@ from dataclasses import fields, replace
 import pytest
 
 from serve_app.metrics import ReplicaMetrics, RouterMetrics
-from serve_app.stream_merge import merge_streams
-from workers.engine.errors import EngineOverloadedError
+from serve_app.streaming.stream_merge import merge_streams
 from workers.engine.outputs import EngineStats, RequestOutput
 from workers.engine.sequence import FinishReason
+from workers.errors import EngineOverloadedError
 
 
 class CountedRequests(RouterMetrics):

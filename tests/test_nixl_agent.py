@@ -14,7 +14,7 @@ def test_rays_nixl_transport_uses_the_installed_agent_and_it_does_not_spin(ray_c
         def install_twice(self) -> str:
             from ray.experimental.rdt.util import get_tensor_transport_manager
 
-            from workers.engine.nixl_agent import install_nixl_agent
+            from workers.kv.nixl_agent import install_nixl_agent
 
             install_nixl_agent()
             manager = get_tensor_transport_manager("NIXL")
@@ -53,7 +53,7 @@ def test_installing_after_ray_built_its_agent_is_refused(ray_cluster):
         def install_late(self) -> str:
             from ray.experimental.rdt.util import get_tensor_transport_manager
 
-            from workers.engine.nixl_agent import install_nixl_agent
+            from workers.kv.nixl_agent import install_nixl_agent
 
             get_tensor_transport_manager("NIXL").get_nixl_agent()
             try:

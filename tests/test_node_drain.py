@@ -1,4 +1,4 @@
-"""`baton drain` (serve_app/node_drain.py), the worker pods' preStop hook: on a real Ray
+"""`baton drain` (serve_app/ops/node_drain.py), the worker pods' preStop hook: on a real Ray
 with two extra nodes, draining the node that hosts a pool's replica moves the replica to
 the other node while the stream it serves runs to its end."""
 
@@ -12,9 +12,9 @@ import ray
 from ray import serve
 from service_helpers import KV
 
-from serve_app import node_drain, service_ops
-from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig, RouterConfig
+from serve_app.ops import node_drain, service_ops
+from serve_app.ops.client import BatonClient, generate_request
 from serve_app.serve_config import GRPC_SERVICER_FUNCTIONS
 
 pytestmark = pytest.mark.slow

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.openai_api import (
+from serve_app.model_frontend import PromptInput
+from serve_app.openai.requests import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     choice_params,
     parse,
 )
-from serve_app.openai_responses import error_body
-from serve_app.prompts import PromptInput
-from workers.engine.errors import InvalidRequestError
+from serve_app.openai.responses import error_body
 from workers.engine.sampling_params import SamplingParams, check_request
+from workers.errors import InvalidRequestError
 
 MESSAGES = [{"role": "user", "content": "a"}]
 

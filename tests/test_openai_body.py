@@ -8,9 +8,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from serve_app.openai_api import ChatCompletionRequest, parse
-from serve_app.openai_body import INLINE_PARSE_BYTES, MAX_BODY_BYTES, json_body
-from workers.engine.errors import InvalidRequestError
+from serve_app.openai.body import INLINE_PARSE_BYTES, MAX_BODY_BYTES, json_body
+from serve_app.openai.requests import ChatCompletionRequest, parse
+from workers.errors import InvalidRequestError
 
 
 def _chat(**fields):

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from serve_app import openai_api
 from serve_app.api_keys import Unauthenticated
-from serve_app.openai_responses import (
+from serve_app.openai import requests as openai_api
+from serve_app.openai.responses import (
     DONE_EVENT,
     Echo,
     ResponseBuilder,
@@ -19,11 +19,11 @@ from serve_app.openai_responses import (
     unaborted,
     without_completion,
 )
-from serve_app.stream_merge import merge_streams
-from workers.engine.errors import EngineDeadError, InvalidRequestError
+from serve_app.streaming.stream_merge import merge_streams
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_request
 from workers.engine.sequence import FinishReason
+from workers.errors import EngineDeadError, InvalidRequestError
 
 
 def _outputs(rid: str = "r", cached: int = 1) -> list[RequestOutput]:

@@ -1,4 +1,4 @@
-"""serve_app/openai_unsupported.py: what the engine cannot do is refused naming the field,
+"""serve_app/openai/unsupported.py: what the engine cannot do is refused naming the field,
 never ignored, and its neutral values are accepted (through `openai_api.parse`, as bodies
 arrive)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.openai_api import ChatCompletionRequest, CompletionRequest, parse
-from serve_app.openai_unsupported import UNSUPPORTED
-from workers.engine.errors import InvalidRequestError
+from serve_app.openai.requests import ChatCompletionRequest, CompletionRequest, parse
+from serve_app.openai.unsupported import UNSUPPORTED
+from workers.errors import InvalidRequestError
 
 
 def _chat(**fields):

@@ -1,4 +1,4 @@
-"""Multiplexed outputs (serve_app/output_mux.py) when an engine replica dies under them,
+"""Multiplexed outputs (serve_app/streaming/output_mux.py) when an engine replica dies under them,
 against a real Serve on the real model (the protocol itself: test_output_mux.py)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import ray
 from ray import serve
 from service_helpers import KV, wait_for
 
-from serve_app import service_ops
-from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
+from serve_app.ops import service_ops
+from serve_app.ops.client import BatonClient, generate_request
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from tiny_model import make_tiny_model
 
 from workers.engine.block_hash import BlockHash, hash_full_blocks, root_hash
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 
 BLOCK = 16

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from serve_app import prefix_registry
-from serve_app.prefix_registry import (
+from serve_app.routing import prefix_registry
+from serve_app.routing.prefix_registry import (
     HEARTBEAT_S,
     PrefixIndex,
     PrefixRegistryConfig,

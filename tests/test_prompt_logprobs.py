@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_transfer_helpers import _drain, _prefill
+from handoff_helpers import _drain, _prefill
 from tiny_model import make_tiny_model, random_prompts
 
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import RequestOutput, merge_outputs
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 

@@ -7,12 +7,12 @@ import json
 import pytest
 from tiny_model import make_tiny_model
 
-from serve_app.prompts import ModelFrontend, PromptInput
+from serve_app.model_frontend import ModelFrontend, PromptInput
 from workers.engine.block_hash import hash_full_blocks, root_hash
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
-from workers.engine.errors import InvalidRequestError
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
+from workers.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")

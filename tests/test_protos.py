@@ -21,10 +21,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from serve_app.grpc_api import baton_pb2, baton_pb2_grpc
+from serve_app.grpc.api import baton_pb2, baton_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-GRPC_API = ROOT / "serve_app" / "grpc_api"
+GRPC_API = ROOT / "serve_app" / "grpc" / "api"
 SERVICE = "baton.v1.Baton"
 
 
@@ -59,7 +59,7 @@ def test_checked_in_stubs_are_current(tmp_path: Path) -> None:
         )
         details = "\n".join(f"- {name}: {why}" for name, why in sorted(problems.items()))
         pytest.fail(
-            f"serve_app/grpc_api is stale{version_note}; run `python scripts/gen_protos.py` "
+            f"serve_app/grpc/api is stale{version_note}; run `python scripts/gen_protos.py` "
             f"and commit the result.\n{details}"
         )
 

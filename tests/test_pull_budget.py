@@ -1,4 +1,5 @@
-"""workers/engine/pull_budget.py: pulls wait, in order, for room; nothing leaks on cancel."""
+"""PullBudget (workers/engine/handoff/pull_budget.py): pulls wait, in order, for room;
+nothing leaks on cancel."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 
 import pytest
 
-from workers.engine.pull_budget import PullBudget
+from workers.engine.handoff.pull_budget import PullBudget
 
 
 def test_pulls_within_the_budget_go_at_once_and_one_too_many_waits_for_a_release():

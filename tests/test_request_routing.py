@@ -9,7 +9,7 @@ import pytest
 from ray.serve.request_router import FIFOMixin
 
 from serve_app.protocol import ROUTING_HINT_ATTR, Subscription
-from serve_app.request_routing import Candidate, KVAwareRequestRouter, rank_candidates
+from serve_app.routing.request_router import Candidate, KVAwareRequestRouter, rank_candidates
 
 
 def _c(rid: str, prefix: int = 0, load: int = 0, free: float = 1.0) -> Candidate:
@@ -87,7 +87,7 @@ def test_full_prefix_holders_do_not_keep_a_request_from_a_replica_with_room():
 def test_choices_are_handed_out_first_in_first_out():
     # Not Serve's default matching by internal request id, which the calls one request
     # makes share: all but the first would never be fulfilled, their routing tasks
-    # spinning (request_routing.py's docstring).
+    # spinning (serve_app/routing/request_router.py's docstring).
     assert issubclass(KVAwareRequestRouter, FIFOMixin)
 
 

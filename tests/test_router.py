@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 from tiny_model import make_tiny_model
 
 from serve_app.metrics import RouterMetrics
-from serve_app.output_mux import OutputDemux
-from serve_app.prompts import ModelFrontend, PromptInput
+from serve_app.model_frontend import ModelFrontend, PromptInput
 from serve_app.protocol import StreamStart
 from serve_app.router import Router, http_app
+from serve_app.streaming.output_mux import OutputDemux
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_request
+from workers.errors import InvalidRequestError
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""serve_app/selective_disaggregation.py: when a decode replica prefills a prompt itself,
+"""serve_app/handoff/selective_disaggregation.py: when a decode replica prefills a prompt itself,
 and how it counts the prefill calls it waits on (its use on the handoff path:
 test_decode_handoff.py; live: test_service_selective.py)."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from serve_app.selective_disaggregation import SelectiveDisaggregation
+from serve_app.handoff.selective_disaggregation import SelectiveDisaggregation
 
 
 @pytest.mark.parametrize(

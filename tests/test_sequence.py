@@ -1,5 +1,5 @@
 """A sequence's own bookkeeping: appending a sampled token and why it ends the sequence
-(the engine's stop conditions end to end are in test_engine_step.py)."""
+(the engine's stop conditions end to end are in test_llm_engine_step.py)."""
 
 from __future__ import annotations
 

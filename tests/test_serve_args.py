@@ -1,12 +1,12 @@
-"""`baton serve`'s configuration from a file and flags (serve_app/serve_args.py); its
+"""`baton serve`'s configuration from a file and flags (serve_app/ops/serve_args.py); its
 refusals, as the command reports them, are in test_cli.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve_app.cli import _build_parser
-from serve_app.serve_args import app_config_from_args
+from serve_app.ops.cli import _build_parser
+from serve_app.ops.serve_args import app_config_from_args
 
 
 def test_serve_flags_override_the_config_file(model_dir, tmp_path):

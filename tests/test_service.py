@@ -39,12 +39,12 @@ from service_helpers import (
     baton,
 )
 
-from serve_app import service_ops
-from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
-from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.grpc.api import baton_pb2 as pb
+from serve_app.ops import service_ops
+from serve_app.ops.client import BatonClient, generate_request
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import FinishReason
 
@@ -151,7 +151,7 @@ def test_chat_and_token_id_prompts_and_tokenize(disagg, agg):
 
 def test_baton_generate_streams_the_services_completion(service, agg, capsys):
     # The README's main job asks the service this way.
-    from serve_app.cli import main
+    from serve_app.ops.cli import main
 
     args = ["generate", "--app", "agg", "--address", service["grpc"], "--max-tokens", "8"]
     assert main([*args, PROMPTS[0]]) == 0

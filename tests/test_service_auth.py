@@ -18,10 +18,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ray import serve
 from service_helpers import KV, _scrape
 
-from serve_app import service_ops
-from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
-from serve_app.grpc_api import baton_pb2 as pb
+from serve_app.grpc.api import baton_pb2 as pb
+from serve_app.ops import service_ops
+from serve_app.ops.client import BatonClient, generate_request
 
 pytestmark = pytest.mark.slow
 

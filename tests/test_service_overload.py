@@ -16,9 +16,9 @@ import pytest
 from ray import serve
 from service_helpers import KV, _snapshots, wait_for
 
-from serve_app import service_ops
-from serve_app.client import BatonClient, generate_request
 from serve_app.config import AppConfig, PoolConfig
+from serve_app.ops import service_ops
+from serve_app.ops.client import BatonClient, generate_request
 
 pytestmark = pytest.mark.slow
 

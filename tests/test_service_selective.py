@@ -12,11 +12,11 @@ import pytest
 from ray import serve
 from service_helpers import KV, _greedy, _scrape, wait_for
 
-from serve_app import service_ops
-from serve_app.client import BatonClient
 from serve_app.config import AppConfig, PoolConfig
+from serve_app.ops import service_ops
+from serve_app.ops.client import BatonClient
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def test_local_prefills_are_exported_as_a_metric(client, ray_metrics_port):
 
 
 def test_status_shows_decodes_local_prefills(client):
-    from serve_app.status_text import status_lines
+    from serve_app.ops.status_text import status_lines
 
     client.generate_unary(_greedy("Hi", max_tokens=2))  # short: prefilled on decode
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
-from workers.engine.model_runner import ModelRunner, SeqChunk, StepInput
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
+from workers.runner.model_runner import ModelRunner
+from workers.runner.step_io import SeqChunk, StepInput
 
 pytestmark = pytest.mark.slow
 

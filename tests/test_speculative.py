@@ -10,7 +10,7 @@ import pytest
 from tiny_model import random_prompts
 
 from workers.engine.config import EngineConfig, SpeculativeConfig
-from workers.engine.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import FinishReason, Sequence
 from workers.engine.speculative import NgramSpeculator, ngram_drafts

@@ -1,10 +1,10 @@
-"""serve_app/status_text.py: `baton status`'s text for a report, including replicas of
+"""serve_app/ops/status_text.py: `baton status`'s text for a report, including replicas of
 an older release that post fewer fields (the whole path runs in test_service.py)."""
 
 from __future__ import annotations
 
 from serve_app.gpu_telemetry import GpuDevice, GpuReport
-from serve_app.status_text import status_lines
+from serve_app.ops.status_text import status_lines
 
 
 def _engine(free: int, total: int = 64, running: int = 0, hit_rate: float = 0.0) -> dict:

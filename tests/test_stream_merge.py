@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from serve_app.stream_merge import merge_streams
+from serve_app.streaming.stream_merge import merge_streams
 
 
 async def _ticks(name: str, n: int, delay: float, log: list[str]):

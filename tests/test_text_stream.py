@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from tiny_model import make_tiny_model
 
-from serve_app.text_stream import TextStream, engine_params
+from serve_app.streaming.text_stream import TextStream, engine_params
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import RequestOutput, merge_outputs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import FinishReason

@@ -8,9 +8,11 @@ import pytest
 import torch
 from tiny_model import make_tiny_model
 
-from workers.engine.errors import EngineDeadError
-from workers.engine.model_runner import ModelRunner, RunnerSpec, SeqChunk, StepInput
-from workers.tp.group import TPWorkerGroup
+from workers.errors import EngineDeadError
+from workers.runner.model_runner import ModelRunner
+from workers.runner.runner_spec import RunnerSpec
+from workers.runner.step_io import SeqChunk, StepInput
+from workers.runner.tp_group import TPWorkerGroup
 
 pytestmark = pytest.mark.slow  # starts Ray worker processes
 

@@ -1,11 +1,11 @@
-"""serve_app/transport_fallback.py: a run of failed direct pulls pauses them a while."""
+"""serve_app/handoff/transport_fallback.py: a run of failed direct pulls pauses them a while."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve_app.transport_fallback import TransportFallback
-from workers.engine.kv_transport import KVTransferError
+from serve_app.handoff.transport_fallback import TransportFallback
+from workers.kv.transport import KVTransferError
 
 FAILED = KVTransferError("NIXL_ERR_REMOTE_DISCONNECT")
 

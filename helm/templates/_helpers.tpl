@@ -296,8 +296,8 @@ to equality, so a change to one must be made in the other.
     "grpc_options" (dict
       "port" 9000
       "grpc_servicer_functions" (list
-        "serve_app.grpc_servicer.add_baton_servicer_to_server"
-        "serve_app.grpc_servicer.add_health_servicer_to_server")
+        "serve_app.grpc.servicer.add_baton_servicer_to_server"
+        "serve_app.grpc.servicer.add_health_servicer_to_server")
       "enable_reflection" true)
     "applications" (list (dict
       "name" "baton"
@@ -345,7 +345,7 @@ resources, preStop): preStop is the shell command the container runs before it s
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- /* Serve's ingress settings, as serve_app.service_ops.SERVE_ENV sets them where
+  {{- /* Serve's ingress settings, as serve_app.ops.service_ops.SERVE_ENV sets them where
   `baton serve` starts Serve (HAProxy in front of the routers' own servers; a Python
   proxy, where one serves, reaching them over gRPC; the gRPC message limit, 16 MiB as
   serve_config.MAX_REQUEST_BYTES), each unless values.env names it. */}}

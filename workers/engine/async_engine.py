@@ -16,35 +16,32 @@ never touched again. Every in-flight and queued request fails with `EngineDeadEr
 `is_healthy()` turns False so the serving layer's health check replaces the replica,
 and new requests are refused at once.
 
-This module is the caller side; the engine thread's own loop is its base class
-`EngineThread` (engine_thread.py).
+This module is the caller side; the engine thread, its command queue and its lock are
+its member `EngineThread` (engine_thread.py). Serving code reaches the engine only
+through the methods here, never the `LLMEngine` itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from workers.engine.async_commands import (
-    Abort,
-    Add,
-    Call,
-    Stream,
-    next_output,
-    pull_kv,
-)
+from workers.engine.block_hash import BlockHash
+from workers.engine.commands import Abort, Add, Call, Stream, next_output
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
 from workers.engine.engine_thread import EngineThread
-from workers.engine.errors import EngineDeadError, EngineOverloadedError
+from workers.engine.handoff.decode_pull import pull_kv
+from workers.engine.handoff.handle import KVHandle
+from workers.engine.handoff.pull_budget import PullBudget
 from workers.engine.kv_cache_manager import KVEventCallback
-from workers.engine.kv_transfer import KVHandle
-from workers.engine.kv_transport import KVPart, KVRef
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import EngineStats, RequestOutput
-from workers.engine.pull_budget import PullBudget
 from workers.engine.sampling_params import SamplingParams
+from workers.errors import EngineDeadError, EngineOverloadedError
+from workers.kv.transport import KVPart, KVRef
+from workers.model.config import ModelConfig
+from workers.model.tokenizer import Tokenizer
 from workers.torch_threads import run_in_passing_thread
 
 DEFAULT_MAX_PENDING_REQUESTS = 1024
@@ -52,7 +49,7 @@ DEFAULT_MAX_PENDING_REQUESTS = 1024
 T = TypeVar("T")
 
 
-class AsyncEngine(EngineThread):
+class AsyncEngine:
     def __init__(
         self,
         engine: LLMEngine,
@@ -75,23 +72,15 @@ class AsyncEngine(EngineThread):
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         if max_pulled_kv_bytes is not None and max_pulled_kv_bytes < 1:
             raise ValueError(f"max_pulled_kv_bytes must be >= 1, got {max_pulled_kv_bytes}")
-        self.engine = engine
-        self.max_pending_requests = max_pending_requests
+        self._engine = engine
         self.stream_interval = stream_interval
         self.pull_budget = PullBudget(max_pulled_kv_bytes or max(engine.kv_cache_bytes // 4, 1))
-        self._cond = threading.Condition()
-        # Everything below is guarded by _cond.
-        self._commands: list[Add | Abort | Call] = []
-        self._commands_running: list[Add | Abort | Call] = []
-        self._num_queued_adds = 0  # adds not yet reflected in _stats.num_waiting
-        self._stats = engine.stats()  # safe: the engine thread does not exist yet
-        self._stopping = False
-        self._engine_shut_down = False
-        self._error: EngineDeadError | None = None
-        # Touched by the engine thread only.
-        self._streams: dict[str, Stream] = {}
-        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
-        self._thread.start()
+        # Set once, read-only after: safe to share with callers on any thread.
+        self.config: EngineConfig = engine.config
+        self.model_config: ModelConfig = engine.model_config
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.num_kv_blocks: int = engine.kv.num_blocks
+        self._thread = EngineThread(engine, max_pending_requests)
 
     @classmethod
     def from_config(
@@ -142,9 +131,8 @@ class AsyncEngine(EngineThread):
         prompt = list(prompt_token_ids)
         pulled = 0  # bytes of the pull budget this request holds until its import
         if any(isinstance(p, KVRef) for p in kv_parts):
-            with self._cond:
-                self._check_room()  # a request refused anyway should not pay the transfer
-            kv_parts, pulled = await pull_kv(self.engine, self.pull_budget, kv_parts)
+            self._thread.check_room()  # a request refused anyway should not pay the transfer
+            kv_parts, pulled = await pull_kv(self._engine, self.pull_budget, kv_parts)
         # The engine takes the parts at submit and drops them once imported; held here, they
         # would keep the export alive in the prefill ranks' memory until the last token.
         unsent = [kv_parts]
@@ -163,7 +151,7 @@ class AsyncEngine(EngineThread):
                 yield out
         except (EngineOverloadedError, EngineDeadError):
             if unsent:  # refused before reaching the engine (which frees what it is given)
-                self.engine.release_prefetched_kv(unsent.pop())
+                self._engine.release_prefetched_kv(unsent.pop())
             raise
         finally:
             if pulled:
@@ -172,13 +160,11 @@ class AsyncEngine(EngineThread):
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs `fn(engine)` on the engine thread between steps and returns its result (or
-        raises its exception). For quick engine calls: export_kv, cached_prefix_blocks..."""
+        raises its exception): engine code run on its thread, for quick calls that have no
+        method here."""
         loop = asyncio.get_running_loop()
         reply = loop.create_future()
-        with self._cond:
-            self._check_alive()
-            self._commands.append(Call(fn, reply, loop))
-            self._cond.notify()
+        self._thread.call(Call(fn, reply, loop))
         return await reply
 
     async def _stream(
@@ -186,11 +172,7 @@ class AsyncEngine(EngineThread):
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         stream = Stream(request_id, loop, num_prompt_tokens)
-        with self._cond:
-            self._check_room()
-            self._num_queued_adds += 1
-            self._commands.append(Add(stream, submit))
-            self._cond.notify()
+        self._thread.add(Add(stream, submit))
         finished = False
         first = True
         pending: BaseException | None = None
@@ -211,64 +193,79 @@ class AsyncEngine(EngineThread):
             if not finished:
                 # Consumer gone (closed, cancelled, client disconnect): free the blocks.
                 # Queued, not awaited: awaiting is unsafe while being cancelled.
-                self._enqueue_abort(Abort(request_id, stream=stream))
-
-    def _check_room(self) -> None:
-        """EngineDeadError or EngineOverloadedError unless a new request may queue; call
-        with the lock held."""
-        self._check_alive()
-        limit = self.max_pending_requests
-        if limit is not None and self._stats.num_waiting + self._num_queued_adds >= limit:
-            raise EngineOverloadedError(
-                f"{limit} requests are already waiting for this engine; retry later"
-            )
+                self._thread.abort(Abort(request_id, stream=stream))
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a request by id; True if it was running or waiting. Its generate() ends
         with a finished output whose finish_reason is ABORT."""
         loop = asyncio.get_running_loop()
         reply = loop.create_future()
-        if not self._enqueue_abort(Abort(request_id, reply=reply, reply_loop=loop)):
+        if not self._thread.abort(Abort(request_id, reply=reply, reply_loop=loop)):
             return False
         return await reply
 
     def abort_nowait(self, request_id: str) -> None:
         """Queues an abort without waiting (safe while being cancelled): drops a request or
         releases a held handoff."""
-        self._enqueue_abort(Abort(request_id))
+        self._thread.abort(Abort(request_id))
+
+    # -- the KV handoff ------------------------------------------------------
+
+    async def cached_prefix_blocks(
+        self, block_hashes: list[BlockHash], token_ids: list[int], cache_salt: str | None = None
+    ) -> int:
+        """Decode side: how many of these leading full blocks the prefix cache holds now
+        (a hint for the prefill side's `export_kv`; nothing is reserved)."""
+        hashes, tokens = list(block_hashes), list(token_ids)
+        return await self.call(lambda e: e.cached_prefix_blocks(hashes, tokens, cache_salt))
+
+    async def export_kv(
+        self,
+        request_id: str,
+        skip_blocks: int = 0,
+        dst_tp: int | None = None,
+        transport: str | None = None,
+        release: bool = False,
+    ) -> tuple[KVHandle, list[KVPart]]:
+        """Prefill side: a held handoff's handle and its blocks (LLMEngine.export_kv). With
+        `release`, the handoff is released in the same engine command, so its blocks go
+        back to the pool even if the caller is cancelled while it waits for the copy."""
+
+        def export(engine: LLMEngine) -> tuple[KVHandle, list[KVPart]]:
+            exported = engine.export_kv(request_id, skip_blocks, dst_tp, transport)
+            if release:
+                engine.release_handoff(request_id)
+            return exported
+
+        return await self.call(export)
+
+    def live_kv_exports(self) -> tuple[int, int]:
+        """Prefill side, any thread (it waits on the TP ranks, if any: call it off the
+        event loop): (objects, bytes) of exported KV an importer still references."""
+        return self._engine.live_kv_exports()
+
+    def resend_cached_blocks(self) -> None:
+        """Any thread: the next step's KV events report every block the prefix cache
+        holds, for a listener that lost what it was told (a replaced prefix registry)."""
+        self._engine.resend_cached_blocks()
+
+    # -- the replica ---------------------------------------------------------
+
+    def rank_devices(self) -> str | None:
+        """The GPUs of this engine's TP ranks (LLMEngine.rank_devices); waits on them."""
+        return self._engine.rank_devices()
 
     def stats(self) -> EngineStats:
         """The engine's stats as of its last step or command batch (never blocks on a step)."""
-        with self._cond:
-            return self._stats
+        return self._thread.stats()
 
     def is_healthy(self) -> bool:
-        with self._cond:
-            alive = self._error is None and not self._stopping and self._thread.is_alive()
-        return alive and self.engine.runner_failure() is None
+        return self._thread.is_alive() and self._engine.runner_failure() is None
 
     async def shutdown(self) -> None:
         """Aborts every request, stops the engine thread and shuts the engine down. Idempotent."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        # Joining blocks for up to one step: keep the event loop free meanwhile.
-        await asyncio.to_thread(self._thread.join)
-        with self._cond:  # engine.shutdown() once, however many callers
-            first, self._engine_shut_down = not self._engine_shut_down, True
-        if first:
-            await asyncio.to_thread(self.engine.shutdown)
-
-    def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(str(self._error)) from self._error.__cause__
-        if self._stopping:
-            raise EngineDeadError("the engine is shut down")
-
-    def _enqueue_abort(self, command: Abort) -> bool:
-        with self._cond:
-            if self._error is not None or self._stopping:
-                return False  # nothing is live any more (or shutdown aborts it)
-            self._commands.append(command)
-            self._cond.notify()
-            return True
+        self._thread.request_stop()
+        # Joining blocks for up to one step: keep the event loop free meanwhile. The first
+        # caller to see the thread stopped shuts the engine down, once.
+        if await asyncio.to_thread(self._thread.join):
+            await asyncio.to_thread(self._engine.shutdown)

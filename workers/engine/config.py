@@ -6,12 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.kv_transport import check_transport
 from workers.engine.scheduler import SchedulerConfig
+from workers.kv.transport import check_transport
 from workers.model.config import ModelConfig
+from workers.runner.tp_group import TP_PLACEMENTS
 
-# EngineConfig.tp_placement's choices (workers.tp.group places the ranks).
-TP_PLACEMENTS = ("own", "current")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,7 +86,7 @@ class EngineConfig:
     # A prefill-only request's blocks are held this long for a decode engine to
     # import them (unless released sooner), so an abandoned handoff never strands them.
     handoff_timeout_s: float = 30.0
-    # How exported blocks leave a prefill engine (workers.engine.kv_transport.TRANSPORTS).
+    # How exported blocks leave a prefill engine (workers.kv.transport.TRANSPORTS).
     kv_transport: str = "object_store"
     # False: outputs carry token ids only (empty text) and requests with stop strings
     # are refused; for a front end that detokenizes and applies stop strings itself

@@ -1,14 +1,11 @@
-"""The engine thread of an `AsyncEngine`: the one thread that touches its `LLMEngine`.
+"""The one thread that touches an `LLMEngine`, and the command queue that feeds it.
 
-It sleeps while the engine has nothing to compute (waking on commands, and every
-`_TIMER_POLL_S` while handoffs are held or imports wait), runs the commands callers
-queued (async_commands.py) between steps, sends each step's outputs to their streams'
-event loops, and, if anything escapes, fails every request and never touches the engine
-again (async_engine.py's failure policy).
-
-A base class of `AsyncEngine`, apart only to keep one concept per module: the caller side
-there sets up the state declared below (and says what its lock guards) and starts the
-thread on `_run`.
+`AsyncEngine` (the caller side) owns one. Callers queue commands (`Add`, `Abort`,
+`Call`: commands.py) under this object's lock; the thread runs them between steps, sends
+each step's outputs to their streams' event loops, and sleeps while the engine has
+nothing to compute (waking on commands, and every `_TIMER_POLL_S` while handoffs are
+held or imports wait). If anything escapes, it fails every request and never touches
+the engine again (async_engine.py's failure policy).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import asyncio
 import logging
 import threading
 
-from workers.engine.async_commands import (
+from workers.engine.commands import (
     Abort,
     Add,
     Call,
@@ -29,9 +26,9 @@ from workers.engine.async_commands import (
     fail_all,
     resolve,
 )
-from workers.engine.engine import LLMEngine
-from workers.engine.errors import EngineDeadError
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import EngineStats, RequestOutput
+from workers.errors import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +38,96 @@ _TIMER_POLL_S = 0.5
 
 
 class EngineThread:
-    engine: LLMEngine
-    _cond: threading.Condition
-    _commands: list[Add | Abort | Call]
-    _commands_running: list[Add | Abort | Call]
-    _num_queued_adds: int
-    _stats: EngineStats
-    _stopping: bool
-    _error: EngineDeadError | None
-    _streams: dict[str, Stream]
+    def __init__(self, engine: LLMEngine, max_pending_requests: int | None):
+        """Starts the thread. Beyond `max_pending_requests` requests accepted but not yet
+        running (None: unbounded), `check_room` raises EngineOverloadedError."""
+        self.engine = engine
+        self.max_pending_requests = max_pending_requests
+        self._cond = threading.Condition()
+        # Everything below is guarded by _cond.
+        self._commands: list[Add | Abort | Call] = []
+        self._commands_running: list[Add | Abort | Call] = []
+        self._num_queued_adds = 0  # adds not yet reflected in _stats.num_waiting
+        self._stats = engine.stats()  # safe: the thread does not exist yet
+        self._stopping = False
+        self._engine_shut_down = False
+        self._error: EngineDeadError | None = None
+        # Touched by the engine thread only.
+        self._streams: dict[str, Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller side (any thread) ----------------------------------------
+
+    def add(self, command: Add) -> None:
+        """Queues a request; EngineDeadError or EngineOverloadedError if it may not."""
+        with self._cond:
+            self._check_room()
+            self._num_queued_adds += 1
+            self._commands.append(command)
+            self._cond.notify()
+
+    def call(self, command: Call) -> None:
+        """Queues a call; EngineDeadError once the engine is dead or shut down."""
+        with self._cond:
+            self._check_alive()
+            self._commands.append(command)
+            self._cond.notify()
+
+    def abort(self, command: Abort) -> bool:
+        """Queues an abort (never raises); False when nothing is live any more, or the
+        shutdown under way aborts it anyway."""
+        with self._cond:
+            if self._error is not None or self._stopping:
+                return False
+            self._commands.append(command)
+            self._cond.notify()
+            return True
+
+    def check_room(self) -> None:
+        """EngineDeadError or EngineOverloadedError unless a new request may queue."""
+        with self._cond:
+            self._check_room()
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its last step or command batch (never blocks on a step)."""
+        with self._cond:
+            return self._stats
+
+    def is_alive(self) -> bool:
+        """True until the thread failed, stopped or was asked to stop."""
+        with self._cond:
+            return self._error is None and not self._stopping and self._thread.is_alive()
+
+    def request_stop(self) -> None:
+        """Asks the thread to abort every request and stop, without waiting."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def join(self) -> bool:
+        """Waits for the thread to stop (up to one step after `request_stop`). True for the
+        first caller only, who then shuts the engine down."""
+        self._thread.join()
+        with self._cond:
+            first, self._engine_shut_down = not self._engine_shut_down, True
+        return first
+
+    def _check_room(self) -> None:
+        self._check_alive()
+        limit = self.max_pending_requests
+        if limit is not None and self._stats.num_waiting + self._num_queued_adds >= limit:
+            raise EngineOverloadedError(
+                f"{limit} requests are already waiting for this engine; retry later"
+            )
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(str(self._error)) from self._error.__cause__
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+
+    # -- the engine thread ---------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -59,7 +137,7 @@ class EngineThread:
                 # sleeping is enough; commands and shutdown notify to wake it.
                 engine = self.engine
                 idle = not engine.needs_step()
-                timers = bool(engine.imports.pending or len(engine.handoffs))
+                timers = engine.has_timers()
                 with self._cond:
                     if idle:
                         self._cond.wait_for(
@@ -78,7 +156,7 @@ class EngineThread:
                     self._abort_all()
                     self._publish_stats(num_adds)
                     return
-                if engine.has_unfinished() or len(engine.handoffs):
+                if engine.has_unfinished() or engine.has_timers():
                     # Expires handoffs and admits imports, whose first tokens go out now.
                     self._dispatch(engine.ready_outputs())
                     self._dispatch(engine.step())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from workers.engine.kv_transfer import KVHandle
+from workers.engine.handoff.handle import KVHandle
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason
 

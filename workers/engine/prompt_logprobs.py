@@ -13,9 +13,9 @@ preempted mid-prompt recomputes its positions but does not record them twice.
 
 from __future__ import annotations
 
-from workers.engine.model_runner import PromptLogprobRows
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import Sequence
+from workers.runner.step_io import PromptLogprobRows
 
 
 def due_targets(seq: Sequence, start: int, num_tokens: int) -> tuple[int, list[int]]:

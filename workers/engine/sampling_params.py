@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from workers.engine.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
+from workers.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 
 MAX_LOGPROBS = 20
 # OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100].

@@ -1,0 +1,158 @@
+"""The model as the router sees it: tokenizer, chat template, limits and block hashing.
+
+Both public surfaces (gRPC and OpenAI HTTP) turn a request into a `PromptInput` and
+`SamplingParams`; `ModelFrontend` tokenizes the prompt, checks the request against the
+model (the engine's own checks, so bad input is refused before it costs a replica
+anything) and hashes the prompt's full blocks exactly as the engines do; the engines'
+token ids become text again in `text_stream`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from serve_app.protocol import EngineRequest
+from serve_app.streaming.text_stream import TextStream, engine_params
+from workers.engine import (
+    CONTEXT_LENGTH_EXCEEDED,
+    InvalidRequestError,
+    SamplingParams,
+    check_prompt_fits,
+    check_request,
+    check_text,
+    hash_full_blocks,
+    root_hash,
+)
+from workers.model import ModelConfig, Tokenizer, eos_token_ids
+
+# Messages in one chat prompt (OpenAI's own bound): each costs the chat template a render,
+# so a body of a million empty ones would hold the tokenizing thread for seconds.
+MAX_MESSAGES = 2048
+# What the chat template adds per message (role markers), for the size of the work.
+_TEMPLATE_CHARS_PER_MESSAGE = 16
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """Exactly one of text, chat messages or token ids."""
+
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    # Any sequence: a gRPC request's repeated field is copied only once its size is checked.
+    token_ids: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.text, self.messages, self.token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequestError(
+                "prompt: give exactly one of text, chat messages or token ids"
+            )
+        if self.messages is not None and len(self.messages) > MAX_MESSAGES:
+            raise InvalidRequestError(
+                f"messages: at most {MAX_MESSAGES} messages, got {len(self.messages)}",
+                param="messages",
+            )
+
+    def num_chars(self) -> int:
+        """Characters to tokenize: the text, or all messages' with their template's markup;
+        0 for token ids."""
+        if self.messages is not None:
+            markup = _TEMPLATE_CHARS_PER_MESSAGE * len(self.messages)
+            return markup + sum(len(content) for _, content in self.messages)
+        return len(self.text or "")
+
+
+class ModelFrontend:
+    def __init__(self, model_dir: Path, model_id: str, block_size: int, max_model_len: int):
+        """`max_model_len`: the engines' context length (AppConfig.context_length)."""
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model_id = model_id
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = sorted(
+            eos_token_ids(model_dir, self.model_config.eos_token_ids, self.tokenizer)
+        )
+        # No token stands for more characters than its vocabulary entry has (a byte-level
+        # BPE entry spells one character per byte), so a prompt of more characters than
+        # the context's worth of the longest entry cannot fit, however it tokenizes.
+        longest = max(len(token) for token in self.tokenizer.hf.get_vocab(with_added_tokens=True))
+        self.max_prompt_chars = max_model_len * longest
+
+    def check_size(self, prompt: PromptInput) -> None:
+        """Refuses a prompt that cannot fit the context before any work is spent on it
+        (tokenizing megabytes of text holds a core for seconds)."""
+        if prompt.token_ids is not None:
+            check_prompt_fits(len(prompt.token_ids), self.max_model_len)
+            return
+        if prompt.num_chars() > self.max_prompt_chars:
+            field = "messages" if prompt.messages is not None else "prompt"
+            raise InvalidRequestError(
+                f"{field}: {prompt.num_chars()} characters cannot fit this model's context of "
+                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} could); "
+                "shorten the prompt",
+                param=field,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
+
+    def tokenize(self, prompt: PromptInput) -> list[int]:
+        """The prompt's token ids (check_size first, for a prompt that may be huge)."""
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)  # checked with the rest in build_request
+        if prompt.messages is not None:
+            if not prompt.messages:
+                raise InvalidRequestError(
+                    "messages must hold at least one message", param="messages"
+                )
+            if not self.tokenizer.has_chat_template:
+                raise InvalidRequestError(
+                    "messages: this model has no chat template; send a text prompt instead",
+                    param="messages",
+                )
+            roles = {"system", "user", "assistant", "tool", "developer"}
+            for i, (role, _) in enumerate(prompt.messages):
+                if role not in roles:
+                    raise InvalidRequestError(
+                        f"messages[{i}].role must be one of {sorted(roles)}, got {role!r}"
+                    )
+            for i, (_, content) in enumerate(prompt.messages):
+                check_text(content, f"messages.{i}.content")
+            try:
+                return self.tokenizer.encode_chat(
+                    [{"role": r, "content": c} for r, c in prompt.messages]
+                )
+            except jinja2.TemplateError as e:  # e.g. the template's raise_exception()
+                raise InvalidRequestError(
+                    f"messages: the model's chat template refused them: {e}", param="messages"
+                ) from e
+        return self.tokenizer.encode(check_text(prompt.text, "prompt"))
+
+    def room_after(self, ids: list[int]) -> int:
+        """Tokens the context has left after this prompt (the default budget); refuses a
+        prompt that leaves none before any budget is checked, as the prompt's fault."""
+        check_prompt_fits(len(ids), self.max_model_len)
+        return self.max_model_len - len(ids)
+
+    def build_request(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> EngineRequest:
+        """Checks a tokenized request; InvalidRequestError naming the field if it cannot run. The
+        engine is asked for it without stop strings: the router applies them (TextStream)."""
+        check_request(ids, params, self.vocab_size, self.max_model_len, cache_salt)
+        hashes = hash_full_blocks(ids, self.block_size, root_hash(self.model_id, cache_salt))
+        return EngineRequest(
+            request_id, tuple(ids), engine_params(params), cache_salt, tuple(hashes)
+        )
+
+    def text_stream(self, ids: list[int], params: SamplingParams) -> TextStream:
+        """Text and stop strings for the engine outputs of a request built from these."""
+        return TextStream(self.tokenizer.hf, ids, params, self.eos_token_ids)

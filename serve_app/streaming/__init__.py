@@ -1,0 +1,3 @@
+"""The way back to the client: engine outputs multiplexed per router (output_mux.py), text
+and stop strings applied at the router (text_stream.py), and the fan-in of a request's `n`
+choices (stream_merge.py)."""

@@ -1,0 +1,112 @@
+"""The engine end to end on a small random-weight Llama: its requests (checked, aborted,
+generated all or none), stats and construction; what a step does with them is
+test_llm_engine_step.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import GREEDY, _engine, _outputs
+from tiny_model import random_prompts
+
+from workers.engine.sampling_params import SamplingParams
+from workers.errors import InvalidRequestError
+
+
+def test_greedy_matches_transformers_generate(model_dir):
+    from transformers import LlamaForCausalLM
+
+    reference = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = _engine(model_dir)
+    for prompt in random_prompts(4):
+        expected = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+        assert _outputs(engine, [prompt]) == [expected]
+
+
+def test_abort_frees_blocks_and_others_finish(model_dir):
+    engine = _engine(model_dir)
+    for i, p in enumerate(random_prompts(3)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.abort("r1")
+    assert not engine.abort("r1")
+    assert not engine.abort("never-added")
+    finished = set()
+    while engine.has_unfinished():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"r0", "r2"}
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ([], GREEDY, "prompt"),
+        ([5, 320], GREEDY, "prompt token ids"),
+        ([5, -1], GREEDY, "prompt token ids"),
+        ([5] * 1000, SamplingParams(max_tokens=100), "max_tokens"),
+        ([5], SamplingParams(max_tokens=5, stop_token_ids=[999]), "stop_token_ids"),
+    ],
+)
+def test_bad_requests_are_refused_before_scheduling(model_dir, prompt, params, field):
+    engine = _engine(model_dir)
+    with pytest.raises(ValueError, match=field):
+        engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished()
+    # The engine serves the next request normally.
+    assert len(_outputs(engine, [[5, 6, 7]])[0]) == GREEDY.max_tokens
+
+
+def test_duplicate_request_id_is_refused(model_dir):
+    engine = _engine(model_dir)
+    engine.add_request("same", [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("same", [1, 2, 3], GREEDY)
+
+
+def test_the_context_length_is_what_the_kv_cache_holds_and_requests_past_it_are_refused(
+    model_dir,
+):
+    engine = _engine(model_dir, num_kv_blocks=2)  # 2 blocks of 16 tokens
+    assert engine.max_model_len == 32
+    with pytest.raises(InvalidRequestError, match="maximum context length is 32") as err:
+        engine.add_request("big", [5] * 30, SamplingParams(max_tokens=10))
+    assert (err.value.param, err.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(InvalidRequestError, match="the prompt is 32 tokens") as err:
+        engine.add_request("full", [5] * 32, SamplingParams(max_tokens=1))
+    assert (err.value.param, err.value.code) == ("prompt", "context_length_exceeded")
+    (fits,) = engine.generate([[5] * 22], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(fits.output_token_ids) == 10
+
+
+def test_stats_track_requests_and_blocks(model_dir):
+    engine = _engine(model_dir)
+    for i, p in enumerate(random_prompts(3)):
+        engine.add_request(f"r{i}", p, GREEDY)
+    assert engine.stats().num_waiting == 3
+    engine.step()
+    stats = engine.stats()
+    assert stats.num_running == 3 and stats.num_waiting == 0
+    assert stats.num_free_blocks < stats.num_total_blocks
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats.num_generated_tokens == 3 * GREEDY.max_tokens
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_tp_degree_must_divide_the_heads(model_dir):
+    # The tiny model has 4 query heads and 2 KV heads: 1 and 2 divide both.
+    with pytest.raises(ValueError, match=r"valid degrees: \[1, 2\]"):
+        _engine(model_dir, tensor_parallel_size=3)
+
+
+def test_generate_adds_all_prompts_or_none(model_dir):
+    engine = _engine(model_dir)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate([[5, 6, 7], []], GREEDY)
+    assert not engine.has_unfinished()
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks

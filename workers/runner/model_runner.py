@@ -1,0 +1,200 @@
+"""Owns the model and its paged KV cache; turns one scheduled step into logits (and the
+prompt logprobs its chunks ask for).
+
+The step arrives as plain data (`StepInput`) so the same runner can sit in the
+engine's process or in each rank of a tensor-parallel worker group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from workers.kv import cache_copy
+from workers.kv import transport as kv_transport
+from workers.kv.transport import KVPart
+from workers.model.attention import AttentionMetadata, PrefillChunk
+from workers.model.loader import load_model
+from workers.model.parallel import TPGroup
+from workers.runner.runner_spec import RunnerSpec
+from workers.runner.step_io import PromptLogprobRows, SeqChunk, StepInput, StepOutput
+
+# Prompt positions whose logits are computed at once, for prompt logprobs: 100 MB of
+# float32 logits and their log-softmax for SmolLM2's vocabulary, 250 MB for Llama 3's
+# (about twice that at the peak under TP, with the all-gather's buffers).
+_PROMPT_ROWS = 256
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        tp: TPGroup | None = None,
+    ):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        self.model = load_model(model_dir, tp, max_model_len, dtype, self.device)
+        self.num_blocks = num_blocks
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        # One tensor [layers, k/v, kv heads, slots, head dim] whose [layer, 0] and
+        # [layer, 1] each layer binds: a handoff's blocks then leave or enter every layer
+        # in one indexed copy, not one per layer and k/v (workers/kv/cache_copy.py).
+        # Zeros, not empty: masked-out padding slots are still multiplied by a zero
+        # weight, and 0 * NaN from uninitialised memory would poison it.
+        self.kv_cache = torch.zeros(
+            (len(layers), 2, attn.num_kv_heads, num_blocks * block_size, attn.head_dim),
+            dtype=dtype,
+            device=self.device,
+        )
+        for layer, (k, v) in zip(layers, self.kv_cache, strict=True):
+            layer.bind_cache(k, v)
+
+    @classmethod
+    def from_spec(cls, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRunner:
+        return cls(
+            spec.model_dir,
+            spec.num_blocks,
+            spec.block_size,
+            spec.max_model_len,
+            spec.dtype,
+            spec.device,
+            tp,
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        """Runs the step; returns the sampling chunks' logits and the prompt logprobs
+        the chunks ask for."""
+        decodes = [i for i, c in enumerate(step.chunks) if len(c.token_ids) == 1]
+        prefills = [i for i, c in enumerate(step.chunks) if len(c.token_ids) > 1]
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[torch.Tensor] = []
+        last_row: dict[int, int] = {}  # chunk index -> row of its last token
+        first_row: dict[int, int] = {}  # and of its first
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long), block_size=self.block_size
+        )
+
+        if decodes:
+            chunks = [step.chunks[i] for i in decodes]
+            for row, (i, c) in enumerate(zip(decodes, chunks, strict=True)):
+                token_ids.append(c.token_ids[0])
+                positions.append(c.start_pos)
+                first_row[i] = last_row[i] = row
+            tables, lengths = self._decode_context(chunks)
+            pos = torch.tensor(positions)
+            rows = torch.arange(len(chunks))
+            slot_mapping.append(
+                tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
+            )
+            meta.num_decode = len(chunks)
+            meta.decode_tables = tables.to(self.device)
+            meta.decode_lengths = lengths.to(self.device)
+
+        for i in prefills:
+            c = step.chunks[i]
+            start, n = len(token_ids), len(c.token_ids)
+            token_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + n))
+            slots = self._slots(c.block_table, c.start_pos + n)
+            slot_mapping.append(slots[c.start_pos :])
+            if c.start_pos == 0:
+                meta.prefills.append(PrefillChunk(start, n))
+            else:
+                meta.prefills.append(PrefillChunk.with_context(start, n, slots.to(self.device)))
+            first_row[i], last_row[i] = start, start + n - 1
+
+        meta.slot_mapping = torch.cat(slot_mapping).to(self.device)
+        hidden = self.model(
+            torch.tensor(token_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            meta,
+        )
+        rows = [
+            row
+            for i, c in enumerate(step.chunks)
+            if c.sample
+            for row in range(last_row[i] - c.num_drafts, last_row[i] + 1)
+        ]
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        # The sampler runs on the host with host generators, as for a TP group's logits.
+        logits = self.model.compute_logits(hidden[rows_t]).float().cpu()
+        prompt = {
+            i: self._prompt_logprobs(hidden, first_row[i] + c.prompt_from, c)
+            for i, c in enumerate(step.chunks)
+            if c.prompt_targets
+        }
+        return StepOutput(logits, prompt)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, first: int, c: SeqChunk) -> PromptLogprobRows:
+        """The targets' logprobs and the top-n, `_PROMPT_ROWS` positions at a time: only
+        that many vocabulary-wide rows are held at once, whatever the chunk's length."""
+        targets = torch.tensor(c.prompt_targets, dtype=torch.long, device=self.device)
+        parts = []
+        for i in range(0, len(targets), _PROMPT_ROWS):
+            j = min(i + _PROMPT_ROWS, len(targets))
+            logprobs = self.model.compute_logits(hidden[first + i : first + j])
+            logprobs = logprobs.float().log_softmax(dim=-1)
+            top = logprobs.topk(c.prompt_top_n, dim=-1)  # n = 0: empty [m, 0] tensors
+            chosen = logprobs.gather(1, targets[i:j].unsqueeze(1)).squeeze(1)
+            ranks = (logprobs >= chosen.unsqueeze(1)).sum(dim=1)
+            parts.append((chosen, top.indices, top.values, ranks))
+        return PromptLogprobRows(*(torch.cat(t).cpu() for t in zip(*parts, strict=True)))
+
+    def export_blocks(
+        self,
+        block_ids: list[int],
+        start_block: int = 0,
+        transport: str = "object_store",
+        dst_tp: int | None = None,
+    ) -> list[KVPart]:
+        """This rank's slice of the blocks' K/V, ready to leave the process by `transport`
+        (a list, like a TPWorkerGroup's one part per rank), cut for an importer of TP
+        degree `dst_tp` if given (see workers/kv/transport.py, head_cuts)."""
+        kv = cache_copy.export_blocks(self, block_ids, start_block)
+        heads = kv.data.shape[2] * self.tp_size
+        cuts = kv_transport.head_cuts(heads, self.tp_rank, self.tp_size, dst_tp)
+        return [kv_transport.publish(kv, transport, cuts)]
+
+    def live_exports(self) -> tuple[int, int]:
+        """(objects, bytes) of this rank's direct-transport exports still referenced."""
+        return kv_transport.live_exports()
+
+    def prefetch(self, parts: list[KVPart]) -> list[KVPart]:
+        """The export's parts held in this process (a transfer for KVRefs); thread-safe."""
+        return list(kv_transport.fetch_all(parts, self.device))
+
+    def release_prefetched(self, parts: list[KVPart]) -> None:
+        """Nothing to release: prefetched parts live in the list `prefetch` returned."""
+
+    def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
+        """Writes this rank's KV heads of an export (every source rank's part, in rank
+        order), from request block `from_block` on, into `block_ids`."""
+        kv = kv_transport.materialize(parts, self.tp_rank, self.tp_size, from_block, self.device)
+        cache_copy.import_blocks(self, block_ids, kv)
+
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """Cache slots of positions [0, num_tokens)."""
+        pos = torch.arange(num_tokens)
+        blocks = torch.tensor(block_table, dtype=torch.long)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _decode_context(self, decodes: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables [B, max_blocks] (padded with block 0) and context lengths [B]."""
+        lengths = torch.tensor([c.start_pos + 1 for c in decodes])
+        max_blocks = -(-int(lengths.max()) // self.block_size)
+        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for row, c in enumerate(decodes):
+            used = c.block_table[:max_blocks]
+            tables[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+        return tables, lengths
