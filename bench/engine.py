@@ -124,7 +124,7 @@ def main() -> None:
         log(f"  {name:20s} {system:7s} {value:.3f}")
 
     # Warm-up at every shape measured: first calls allocate, fault in weights and (on
-    # CUDA) pick kernels, which took a first 512-token prefill from 0.02 to 0.58 s.
+    # CUDA) pick kernels, which made a first 512-token prefill many times slower.
     for prompts in (single, *batches.values(), long_prompt):
         engine_run(engine, prompts, 8)
         hf_run(hf, prompts, 8)

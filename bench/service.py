@@ -15,8 +15,7 @@ between services, so a steady drift of the VM's speed during the run cancels out
 
 Each service is deployed for its own turn and deleted after it, so it shares the
 machine only with what it brings: an idle replica is not free (Serve's health checks,
-metrics and routing stats cost each one about 1.5% of a core here), and six idle
-applications beside the one measured took about 23% of this 2-core machine. The
+metrics and routing stats cost each one a little CPU, bench/RESULTS.md). The
 in-process engine runs while no application is deployed.
 
 "agg_actor_call" is "agg" with the router's pool calls as Ray actor calls rather than
@@ -42,9 +41,8 @@ Threads: every engine uses both cores. The in-process engine and the aggregated
 replica are the only engine computing; the prefill and decode replicas take turns more
 than they overlap (a burst's prompts are prefilled before most of its decoding), and an
 idle engine's threads sleep. With one prefill thread (--prefill-threads 1) a burst of
-32 prompts waits longer for its first tokens (c32 `disagg` 0.71 of the engine against
-0.87 with two, at c9e567c); the shorter prefill makes a handoff a larger
-share of it (ratio.handoff_over_prefill_512.*).
+32 prompts waits longer for its first tokens; two make a shorter prefill, and so a
+handoff a larger share of it (ratio.handoff_over_prefill_512.*).
 """
 
 from __future__ import annotations

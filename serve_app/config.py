@@ -29,17 +29,17 @@ from workers.model import ModelConfig
 # them), "object_store" (Ray's object store: works anywhere) or "auto" (AppConfig
 # .kv_transport: nixl where a pool runs on GPUs or decodes at TP > 1, else the object
 # store, which on CPU moves a 512-token prompt's KV as fast and a burst of small ones
-# for a fraction of nixl's cost per export; ARCHITECTURE.md has the figures).
+# for a fraction of nixl's cost per export; bench/RESULTS.md has the figures).
 Transport = Literal["auto", "object_store", "nixl"]
 TRANSPORTS: tuple[str, ...] = tuple(t for t in Transport.__args__ if t != "auto")
 
 Mode = Literal["aggregated", "disaggregated"]
 
 # How engine outputs stream from a pool replica to the router: "grpc" (Serve's
-# inter-deployment gRPC, outputs passed by value: about a third less CPU per message on
-# the router than an actor call, see ARCHITECTURE.md "Serving overhead"; each replica
-# listens on a port of its own, so the router's node must reach the engine nodes on any
-# port) or "actor_call" (Ray actor calls through Ray's object layer, Serve's default).
+# inter-deployment gRPC, outputs passed by value: less CPU per message on the router than
+# an actor call, see bench/RESULTS.md; each replica listens on a port of its own, so the
+# router's node must reach the engine nodes on any port) or "actor_call" (Ray actor calls
+# through Ray's object layer, Serve's default).
 OutputChannel = Literal["grpc", "actor_call"]
 
 # "auto": float32 on CPU, bfloat16 on CUDA. bfloat16 on a CPU with AMX or AVX512-BF16

@@ -4,7 +4,7 @@ A replica owns an `AsyncEngine` (its TP ranks, if any, are Ray actors of their o
 plays one role:
 
 - "aggregated": `generate` runs the whole request here (its outputs go to the router on
-  the call or on the router's subscription, `serve_app/streaming/output_mux.py`);
+  the call or on the router's subscription, `serve_app/streaming/output_channels.py`);
 - "prefill": `prefill` computes the prompt, samples the first token and returns it with
   the KV blocks the caller lacks (the blocks are released here as they leave);
 - "decode": `generate` gets the first token and the blocks it lacks from the prefill
@@ -35,7 +35,7 @@ from serve_app.metrics import ReplicaMetrics
 from serve_app.protocol import EngineRequest, PrefillResult, StreamStart, Subscription
 from serve_app.routing.prefix_registry import HEARTBEAT_S, get_or_create_registry
 from serve_app.status_board import get_or_create_board
-from serve_app.streaming.output_mux import OutputChannels
+from serve_app.streaming.output_channels import OutputChannels
 from workers.engine import (
     AsyncEngine,
     BlockHash,
@@ -123,7 +123,7 @@ class EngineServer:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamStart | RequestOutput]:
         """A `StreamStart`, then the request's outputs unless they go to the router's
-        subscription (aggregated and decode roles; see serve_app/streaming/output_mux.py)."""
+        subscription (aggregated and decode roles; see serve_app/streaming/output_channels.py)."""
         if self.role == "prefill":
             raise ValueError("a prefill replica runs prefill(), not generate()")
         if self.role == "decode":
@@ -139,7 +139,7 @@ class EngineServer:
             yield item
 
     async def subscribe(self, sub: Subscription) -> AsyncIterator[str | list[RequestOutput]]:
-        """A router's output subscription to this replica (serve_app/streaming/output_mux.py)."""
+        """A router's output subscription to this replica (streaming/output_channels.py)."""
         if self.role == "prefill":
             raise ValueError("a prefill replica streams no outputs to routers")
         async for item in self.channels.subscribe(sub):

@@ -17,10 +17,14 @@ from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from serve_app.api_keys import Unauthenticated
-from serve_app.streaming.output_mux import SubscriptionLost
 from workers.engine import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+
+class SubscriptionLost(RuntimeError):
+    """The router's subscription to a replica ended while it carried this request
+    (streaming/output_demux.py); retryable, as a lost replica is."""
 
 
 def root_cause(exc: BaseException) -> BaseException:

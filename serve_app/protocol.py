@@ -3,9 +3,9 @@
 The router turns a client request into an `EngineRequest` (tokens, checked sampling
 parameters, block hashes and the registry's answer of who holds how much of the
 prefix); engine replicas stream `RequestOutput`s back, on the call or, batched per
-step, on the router's `Subscription` (serve_app/streaming/output_mux.py). In disaggregated mode the
-decode replica asks the prefill pool for a `PrefillResult`: the first token and the
-KV blocks decode lacks.
+step, on the router's `Subscription` (streaming/output_channels.py). In disaggregated
+mode the decode replica asks the prefill pool for a `PrefillResult`: the first token
+and the KV blocks decode lacks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class EngineRequest:
     # Serve replica id -> leading blocks of this prompt the prefix registry says it holds
     # (advisory: routing prefers long prefixes, engines confirm every block anyway).
     prefix_hits: Mapping[str, int] = field(default_factory=dict)
-    # The router's id for output multiplexing (streaming/output_mux.py); None: outputs on the call.
+    # The router's id for output multiplexing (streaming/output_channels.py); None: outputs
+    # on the call.
     router_id: str | None = None
 
 

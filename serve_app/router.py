@@ -51,8 +51,8 @@ from serve_app.openai.responses import (
     without_completion,
 )
 from serve_app.protocol import EngineRequest
-from serve_app.routing.prefix_registry import RegistryLookup
-from serve_app.streaming.output_mux import OutputDemux
+from serve_app.routing.registry_lookup import RegistryLookup
+from serve_app.streaming.output_demux import OutputDemux
 from serve_app.streaming.stream_merge import merge_streams
 from serve_app.streaming.text_stream import TextStream
 from workers.engine import InvalidRequestError, RequestOutput, SamplingParams

@@ -78,7 +78,7 @@ def serve_config(
 def pool_ongoing_requests(role: str, pool: PoolConfig, num_routers: int) -> int:
     """A pool replica's Serve `max_ongoing_requests`: the requests it admits, plus one slot
     per router on a replica that streams to routers (aggregated, decode), whose output
-    subscription (streaming/output_mux.py) is an ongoing request of its own there. An override
+    subscription (streaming/output_channels.py) is an ongoing request of its own there. An override
     rather than an argument: the router count is not in the application's `args`."""
     return pool.max_ongoing_requests + (0 if role == "prefill" else num_routers)
 

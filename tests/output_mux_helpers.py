@@ -8,7 +8,8 @@ import asyncio
 import contextvars
 
 from serve_app.protocol import Subscription
-from serve_app.streaming.output_mux import OutputChannels, OutputDemux
+from serve_app.streaming.output_channels import OutputChannels
+from serve_app.streaming.output_demux import OutputDemux
 from workers.engine.outputs import RequestOutput
 
 

@@ -15,6 +15,7 @@ from ray.serve.exceptions import (
     RequestCancelledError,
 )
 
+from serve_app.errors import SubscriptionLost
 from serve_app.grpc.api import baton_pb2 as pb
 from serve_app.grpc.service import (
     DEFAULT_MAX_TOKENS,
@@ -23,7 +24,6 @@ from serve_app.grpc.service import (
     response_from_outputs,
     status_for,
 )
-from serve_app.streaming.output_mux import SubscriptionLost
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason

@@ -1,4 +1,4 @@
-"""Outputs multiplexed per router (serve_app/streaming/output_mux.py): both halves wired in one
+"""Outputs multiplexed per router (serve_app/streaming/output_channels.py): both halves wired in one
 event loop, with each "remote call" a task of its own, cancelled as Serve cancels one
 (output_mux_helpers.py)."""
 
@@ -18,8 +18,10 @@ from output_mux_helpers import (
     _tokens,
 )
 
+from serve_app.errors import SubscriptionLost
 from serve_app.protocol import StreamStart, Subscription
-from serve_app.streaming.output_mux import OutputChannel, OutputChannels, SubscriptionLost
+from serve_app.streaming.output_channel import OutputChannel
+from serve_app.streaming.output_channels import OutputChannels
 from workers.engine.outputs import RequestOutput
 
 

@@ -1,5 +1,5 @@
-"""Multiplexed outputs (serve_app/streaming/output_mux.py) when an engine replica dies under them,
-against a real Serve on the real model (the protocol itself: test_output_mux.py)."""
+"""Multiplexed outputs (serve_app/streaming/output_channels.py) when an engine replica dies
+under them, against a real Serve on the real model (the protocol itself: test_output_mux.py)."""
 
 from __future__ import annotations
 

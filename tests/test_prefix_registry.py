@@ -8,15 +8,15 @@ import time
 import pytest
 
 from serve_app.routing import prefix_registry
+from serve_app.routing.prefix_index import PrefixIndex
 from serve_app.routing.prefix_registry import (
     HEARTBEAT_S,
-    PrefixIndex,
     PrefixRegistryConfig,
-    RegistryLookup,
     app_registry_name,
     get_or_create_registry,
     remove_registry,
 )
+from serve_app.routing.registry_lookup import RegistryLookup
 from workers.engine.block_hash import BlockHash, hash_full_blocks, root_hash
 
 ROOT = root_hash("m", None)

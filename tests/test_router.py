@@ -14,7 +14,7 @@ from serve_app.metrics import RouterMetrics
 from serve_app.model_frontend import ModelFrontend, PromptInput
 from serve_app.protocol import StreamStart
 from serve_app.router import Router, http_app
-from serve_app.streaming.output_mux import OutputDemux
+from serve_app.streaming.output_demux import OutputDemux
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 

@@ -42,7 +42,7 @@ SERVICE_APPS = ("disagg",)
 
 def test_sixteen_concurrent_streams_all_complete(disagg):
     # One request first: the router then subscribes to the decode replica's outputs, and
-    # the sixteen share that subscription (serve_app/streaming/output_mux.py).
+    # the sixteen share that subscription (serve_app/streaming/output_channels.py).
     disagg.generate_unary(_greedy("Warm up", max_tokens=2))
     deadline = time.monotonic() + 10
     while not _decode_stats()["mux"]["open_subscriptions"]:

@@ -2,19 +2,19 @@
 
 OpenMP keeps the count per thread, so `torch.set_num_threads` in the thread that built
 an engine does not reach the thread that steps it (AsyncEngine's engine thread, a Ray
-actor's method thread): that one runs at OpenMP's default, every core. Measured on
-this 2-core VM, decode at 2 threads ran at half speed that way, and a 1-thread replica
-took both cores from its neighbours. Every thread that runs model code sets it here.
+actor's method thread): that one runs at OpenMP's default, every core, so a replica
+meant to use one core takes them all from its neighbours and threads oversubscribe the
+machine. Every thread that runs model code sets it here.
 
 OpenMP's workers also outlive the call that started them, and that matters as much:
 libgomp counts every worker it manages in the process, and once they outnumber the
 cores, a waiting worker spins ~100 times instead of ~300,000 before it sleeps. An
 engine stepped on one thread after its model was loaded on another (AsyncEngine) then
 sees its worker fall asleep between each of the hundreds of parallel regions of a
-step, and wake through the OS scheduler each time: on a 2-core VM shared with Serve's
-serving path, a 32-stream decode step took 145-165 ms against ~110 in process, its two
-threads busy 77% and 64% of the time. So work that would leave workers behind on a
-thread that will not step the engine runs in `run_in_passing_thread`.
+step, and wake through the OS scheduler each time, which slows a batched step
+markedly on a machine shared with Serve's serving path. So work that would leave
+workers behind on a thread that will not step the engine runs in
+`run_in_passing_thread`.
 """
 
 from __future__ import annotations

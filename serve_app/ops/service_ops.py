@@ -108,11 +108,11 @@ def connect(address: str | None = None, start_if_missing: bool = False) -> None:
 
 
 # Environment of the Serve controller and, by inheritance, its proxies and replicas.
-# RAY_SERVE_ENABLE_HA_PROXY: each node's ingress (8000/9000) is Serve's HAProxy, which
-# hands every call to a router replica's own HTTP or gRPC server (Serve's direct
-# ingress), so no Python proxy handles each streamed message; RAY_SERVE_PROXY_USE_GRPC:
-# where a Python proxy still serves (Serve's fallback), it reaches the routers over
-# Serve's inter-deployment gRPC. ARCHITECTURE.md, "Serving overhead", has the figures.
+# RAY_SERVE_ENABLE_HA_PROXY: each node's ingress (8000/9000) is Serve's HAProxy, which hands
+# every call to a router replica's own HTTP or gRPC server (Serve's direct ingress), so no
+# Python proxy handles each streamed message; RAY_SERVE_PROXY_USE_GRPC: where a Python proxy
+# still serves (Serve's fallback), it reaches the routers over Serve's inter-deployment gRPC.
+# bench/RESULTS.md has the figures.
 # RAY_SERVE_GRPC_MAX_MESSAGE_SIZE: the client-facing gRPC servers' message limit, the
 # HTTP body's (Serve's 2 GiB default would let one request stall a router for seconds).
 SERVE_ENV = {

@@ -27,7 +27,7 @@ serving one request (a router's choices and its output subscription, a decode re
 prefill calls) carries that request's id: only the first is indexed, and the routing
 task of another would never see its request fulfilled and spin.
 
-A router's output subscription (`Subscription`, streaming/output_mux.py) goes to the replica it
+A router's output subscription (`Subscription`, streaming/output_channels.py) goes to the replica it
 names; if that replica is gone, it is ranked like a request (the router sees where it
 landed and lets it go).
 """

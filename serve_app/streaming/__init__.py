@@ -1,3 +1,4 @@
-"""The way back to the client: engine outputs multiplexed per router (output_mux.py), text
-and stop strings applied at the router (text_stream.py), and the fan-in of a request's `n`
-choices (stream_merge.py)."""
+"""The way back to the client: engine outputs multiplexed per router (the replica side
+output_channels.py and output_channel.py, the router side output_demux.py), text and stop
+strings applied at the router (text_stream.py), and the fan-in of a request's `n` choices
+(stream_merge.py)."""

@@ -30,10 +30,9 @@ def _blocked(runner: KVCacheHolder) -> torch.Tensor:
 
 # Handoff copies run on the calling thread alone. On a machine whose cores a serving
 # path and other replicas share, a parallel region waits at its end for a worker the OS
-# has taken away: a 2-block export measured 10 ms (p50) in a busy prefill replica on two
-# threads against 1 ms on one, and 0.1-0.2 ms either way in a quiet process. A quiet
-# process copies a 512-token prompt's 24 MB in ~6 ms on one thread, ~3.5 on two: noise
-# next to its prefill.
+# has taken away, which costs a busy replica far more than a second thread saves; in a
+# quiet process one thread copies a prompt's KV in a small fraction of its prefill
+# (bench/RESULTS.md, "KV handoff: copies and transports").
 
 
 def export_blocks(

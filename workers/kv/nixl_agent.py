@@ -3,16 +3,17 @@
 Ray's nixl transport builds one NIXL agent per process on first use, with NIXL's
 defaults: a progress thread that polls the UCX backend with no pause (nixl's Python
 wrapper hard-codes `pthrDelay = 0`). That thread keeps a core busy for as long as the
-process lives, 9.75 s of CPU in 10 s idle measured here, in every prefill rank and
-decode replica. The thread cannot simply be turned off: the exporting side must
-answer the importer's connection and reads, and without it a fetch never completes.
+process lives, idle or not, in every prefill rank and decode replica. The thread cannot
+simply be turned off: the exporting side must answer the importer's connection and
+reads, and without it a fetch never completes.
 
-So each process that uses the transport builds the agent itself, with a progress
-delay, and gives it to Ray's transport manager before Ray would build its own. With
-`PROGRESS_DELAY_US` idle CPU drops to about 3 % of a core and a 16 MB CPU fetch still
-takes ~15 ms. Ray and nixl offer no setting for this; the two private names used here
-(`nixl_agent`'s binding module, the manager's `_nixl_agent`) are checked by
-`tests/test_nixl_agent.py`, which fails if an upgrade renames them.
+So each process that uses the transport builds the agent itself, with a progress delay,
+and gives it to Ray's transport manager before Ray would build its own. With
+`PROGRESS_DELAY_US` an idle process spends a few percent of a core on it, and a fetch is
+still quick (bench/RESULTS.md, "KV handoff: copies and transports"). Ray and nixl offer
+no setting for this; the two private names used here (`nixl_agent`'s binding module, the
+manager's `_nixl_agent`) are checked by `tests/test_nixl_agent.py`, which fails if an
+upgrade renames them.
 """
 
 from __future__ import annotations

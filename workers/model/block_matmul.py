@@ -32,11 +32,9 @@ WEIGHTS_DIGEST_KEY = "weights_digest"
 # Bytes of one block of 32 weights in `qs` (the scales and minimums are kept apart).
 QS_BYTES = {"q4_1": 16, "q8_0": 32}
 _KIND_IDS = {"q4_1": 0, "q8_0": 1}
-# Rows up to which the block kernel beats oneDNN's float32 one, measured over a whole
-# model's weights (not cached) on a 2-core AVX2 EPYC, 2 threads (bench at 2026-11-25).
-# Q4_1 projections, blocks / fp32: 46 / 86 ms at 32 rows, 92 / 131 at 64, 150 / 191 at
-# 96, 221 / 232 at 128, 366 / 345 at 192; the Q8_0 LM head 1.7 / 9.9 ms at 1 row,
-# 14 / 39 at 32, 49 / 74 at 128.
+# Rows up to which the block kernel beats oneDNN's float32 one over a whole model's
+# weights (not cached): past it, the float32 matmul's better reuse of each weight wins
+# (bench/RESULTS.md, "Model kernels").
 MAX_ROWS = 128
 
 

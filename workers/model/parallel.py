@@ -91,15 +91,14 @@ class PackableLinear(nn.Module):
 
     F.linear hands an fp32 weight to MKL's sgemm, which re-packs it into panels on
     every call; at decode batch sizes that repacking costs as much as the math.
-    Measured on 2-core machines with weights that do not fit in cache: oneDNN's
-    pre-blocked copy is 1.5-3x faster for 2..64 rows. For a single row (one
-    decoding sequence) the faster kernel depends on the CPU: a plain transposed fp32
-    copy [in, out] streamed the weights 1.4x faster than oneDNN on an AVX-512 Xeon,
-    oneDNN 1.3x faster than it on an AVX2 EPYC. So fp32 packs both copies and
+    With weights that do not fit in cache, oneDNN's pre-blocked copy is faster for
+    2..64 rows. For a single row (one decoding sequence) the faster kernel depends on
+    the CPU: a plain transposed fp32 copy [in, out] streams the weights faster on an
+    AVX-512 Xeon, oneDNN on an AVX2 EPYC. So fp32 packs both copies and
     `keep_faster_single_row_copy` times them once the model is loaded, keeping one.
-    In bf16 (CPUs with AMX or AVX512-BF16) oneDNN's copy is the fastest at
-    every row count: 2x fp32's at 8-32 rows, 3.5x at 128, and ahead of F.linear in
-    bf16; it is the only copy kept. The plain [out, in] weight is released.
+    In bf16 (CPUs with AMX or AVX512-BF16) oneDNN's copy is the fastest at every row
+    count, ahead of F.linear in bf16; it is the only copy kept. The plain [out, in]
+    weight is released. bench/RESULTS.md ("Model kernels") has the figures.
     """
 
     weight: nn.Parameter | None
