@@ -214,7 +214,7 @@ class DecodeHandoff:
     ) -> _Attempt:
         """One ask of the prefill pool for the first token and the blocks past the `have`
         this replica holds, and their import. The export (`result`) is referenced only in
-        this call, so the prefill ranks free it (see kv_transport) once the attempt is
+        this call, so the prefill ranks free it (workers/kv/transport.py) once the attempt is
         over: not after the last token, nor through a retry or a recompute."""
         sent = time.perf_counter()
         result = await self._ask_pool(request, have, transport)
