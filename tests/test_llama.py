@@ -95,7 +95,7 @@ def test_model_identity_tells_same_named_checkpoints_apart(tmp_path):
 @pytest.mark.parametrize("dim", [64, 60])  # 60: not whole vectors, so torch's rms_norm
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_adds_the_residual_and_normalizes_as_torch_does(dim, with_residual):
-    from workers.model.llama import RMSNorm
+    from workers.model.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(dim)
     norm = RMSNorm(dim, 1e-5, torch.float32)
@@ -115,7 +115,7 @@ def test_rms_norm_adds_the_residual_and_normalizes_as_torch_does(dim, with_resid
 @pytest.mark.parametrize("rows", [1, 7, 32])
 @pytest.mark.parametrize("half", [1536, 24, 12])  # 12: not whole vectors, torch's ops
 def test_silu_mul_is_torchs_swiglu_activation(rows, half):
-    from workers.model.llama import silu_mul
+    from workers.model.mlp import silu_mul
 
     gen = torch.Generator().manual_seed(rows * half)
     # Wide enough to reach both ends of the exponential's range.

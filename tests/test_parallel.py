@@ -117,8 +117,8 @@ def _linear_layers(model) -> dict[str, parallel.PackableLinear]:
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_each_rank_takes_the_blocks_of_its_own_shard(quantized_dir, tp_size):
     from workers.model.config import ModelConfig
-    from workers.model.llama import LlamaForCausalLM
     from workers.model.loader import load_blocks, load_weights
+    from workers.model.models.llama import LlamaForCausalLM
 
     cfg = ModelConfig.from_pretrained(quantized_dir)
     for rank in range(tp_size):

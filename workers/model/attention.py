@@ -9,6 +9,10 @@ grouped heads.
 
 A step's tokens come flattened: first one token per decoding sequence, then the
 chunks of sequences being prefilled.
+
+A sliding-window layer (Gemma 3's local layers) attends, for a query at position p, to
+the keys at p - window + 1 .. p, as transformers' sliding mask does. The cache still
+holds the whole context; only what is read and the masks differ.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ class PrefillChunk:
     # and attends only to itself.
     context_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    # window -> (slots, mask) for sliding layers, made once per step for all of them.
+    _windowed: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @classmethod
     def with_context(cls, start: int, length: int, context_slots: torch.Tensor) -> PrefillChunk:
@@ -45,6 +53,38 @@ class PrefillChunk:
         dev = context_slots.device
         mask = torch.arange(ctx, device=dev) <= torch.arange(ctx - length, ctx, device=dev)[:, None]
         return cls(start, length, context_slots, mask)
+
+    def windowed(
+        self, window: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(slots, mask) for a sliding layer: the context from the first key any of the
+        chunk's queries sees (None: the chunk's own keys), and the mask over it, None
+        where the causal mask alone is the window's (a fresh chunk no longer than it)."""
+        if window not in self._windowed:
+            self._windowed[window] = self._window_view(window, device)
+        return self._windowed[window]
+
+    def _window_view(
+        self, window: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.context_slots is None:
+            if self.length <= window:
+                return None, None
+            pos = torch.arange(self.length, device=device)
+            return None, _band(pos, pos, window)
+        ctx = self.context_slots.numel()
+        first_query = ctx - self.length
+        first_key = max(0, first_query - window + 1)
+        keys = torch.arange(first_key, ctx, device=device)
+        queries = torch.arange(first_query, ctx, device=device)
+        return self.context_slots[first_key:], _band(queries, keys, window)
+
+
+def _band(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    """[queries, keys] True where the key is at most the query's position and within
+    `window` of it (transformers' sliding mask: q - window < kv <= q)."""
+    ahead = queries[:, None] - keys[None, :]
+    return (ahead >= 0) & (ahead < window)
 
 
 @dataclass
@@ -58,14 +98,16 @@ class AttentionMetadata:
     decode_lengths: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     _gather: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _window_bias: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def decode_gather(
-        self, num_kv_heads: int, num_blocks: int, dtype: torch.dtype
+        self, num_kv_heads: int, num_blocks: int, dtype: torch.dtype, window: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """For attention by gathering (no kernel): the decoding context as rows of a
         layer's cache viewed as [kv_heads * num_blocks, block_size * head_dim] (see
         `decode_cache_rows`), and the additive mask [num_decode, max_blocks *
-        block_size], 0 for context and -inf for padding. Made once for all layers."""
+        block_size], 0 for context and -inf for padding (and, given a sliding
+        `window`, for the keys before it). Made once for all layers."""
         if self._gather is None:
             assert self.decode_tables is not None and self.decode_lengths is not None
             tables = self.decode_tables
@@ -73,7 +115,14 @@ class AttentionMetadata:
             bias = torch.zeros(tables.shape[0], pos.numel(), dtype=dtype, device=tables.device)
             bias.masked_fill_(pos >= self.decode_lengths[:, None], float("-inf"))
             self._gather = decode_cache_rows(tables, num_kv_heads, num_blocks), bias
-        return self._gather
+        rows, bias = self._gather
+        if window is None:
+            return rows, bias
+        if window not in self._window_bias:
+            pos = torch.arange(bias.shape[1], device=bias.device)
+            before = pos < self.decode_lengths[:, None] - window
+            self._window_bias[window] = bias.masked_fill(before, float("-inf"))
+        return rows, self._window_bias[window]
 
 
 def decode_cache_rows(
@@ -86,12 +135,23 @@ def decode_cache_rows(
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+    ):
+        """`scale` multiplies the scores (None: head_dim ** -0.5, SDPA's own default);
+        `sliding_window` limits each query to that many keys, itself included."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self._kernel = None  # Baton's CPU kernels, for a float32 cache on the CPU
@@ -160,7 +220,8 @@ class PagedAttention(nn.Module):
         """Through csrc/paged_attention.c: each sequence's K/V read in place, through its
         block table, once for its whole group of query heads. None for a shape the
         kernel does not take (head dim not a multiple of 8 or over 256, groups over 16),
-        which then stays with SDPA."""
+        which then stays with SDPA. A sliding layer's keys are read from the window's
+        first on."""
         tables, lengths = meta.decode_tables, meta.decode_lengths
         assert tables is not None and lengths is not None
         q = q.contiguous()
@@ -178,7 +239,8 @@ class PagedAttention(nn.Module):
             self.num_kv_heads,
             self.head_dim,
             meta.block_size,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if self.scale is None else self.scale,
+            self.sliding_window or 0,
             out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -193,7 +255,9 @@ class PagedAttention(nn.Module):
 
     def _decode_gathered(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_blocks = self.k_cache.shape[1] // meta.block_size
-        rows, bias = meta.decode_gather(self.num_kv_heads, num_blocks, self.k_cache.dtype)
+        rows, bias = meta.decode_gather(
+            self.num_kv_heads, num_blocks, self.k_cache.dtype, self.sliding_window
+        )
         batch, length = bias.shape
         # Whole blocks (block_size * head_dim contiguous floats) gathered as rows of a 2-D
         # view: long contiguous copies, faster than gathering along the slot axis of the
@@ -206,19 +270,24 @@ class PagedAttention(nn.Module):
         # SDPA's (batch, heads, query) axes carry (kv head, sequence, query head of
         # the group), so each group of query heads meets its own KV head.
         q = q.view(batch, self.num_kv_heads, self.group, -1).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.view(1, batch, 1, length))
+        mask = bias.view(1, batch, 1, length)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.transpose(0, 1).reshape(batch, self.num_heads, -1)
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk
     ) -> torch.Tensor:
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if chunk.context_slots is None:
-            out = F.scaled_dot_product_attention(
-                q, k.unsqueeze(0), v.unsqueeze(0), is_causal=True, enable_gqa=True
-            )
+        slots, mask = chunk.context_slots, chunk.mask
+        if self.sliding_window is not None:
+            slots, mask = chunk.windowed(self.sliding_window, q.device)
+        if slots is None:
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
         else:
-            k = self.k_cache.index_select(1, chunk.context_slots).unsqueeze(0)
-            v = self.v_cache.index_select(1, chunk.context_slots).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, enable_gqa=True)
+            k = self.k_cache.index_select(1, slots).unsqueeze(0)
+            v = self.v_cache.index_select(1, slots).unsqueeze(0)
+        causal = mask is None  # a fresh chunk: its own keys, the diagonal top-left
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
+        )
         return out.squeeze(0).transpose(0, 1)

@@ -7,7 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# model_type -> the family (a module of workers/model/models/) that runs it.
+MODEL_FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "gemma3_text": "gemma3",
+}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -18,6 +27,14 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Every frequency slowed by `factor` (positions interpolated); Gemma 3's global
+    layers (4B and up) use it."""
+
+    factor: float
 
 
 @dataclass(frozen=True)
@@ -38,48 +55,54 @@ class ModelConfig:
     o_proj_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    rope_scaling: RopeScaling | None = None
+    # Of full-attention layers; sliding layers take `local_rope_theta` unscaled if set.
+    rope_scaling: RopeScaling | LinearRopeScaling | None = None
+    hidden_act: str = "silu"
+    # One per layer, transformers' names: FULL_ATTENTION or SLIDING_ATTENTION.
+    layer_types: tuple[str, ...] = ()
+    # Keys a query of a sliding layer sees, itself included (transformers' mask:
+    # kv > q - window).
+    sliding_window: int | None = None
+    local_rope_theta: float | None = None
+    # Scores scale by query_pre_attn_scalar ** -0.5 where set, else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+
+    @property
+    def family(self) -> str:
+        """The module of workers/model/models/ that runs this model."""
+        return MODEL_FAMILIES[self.model_type]
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The scores' scale; None for SDPA's default, head_dim ** -0.5."""
+        if self.query_pre_attn_scalar is None:
+            return None
+        return self.query_pre_attn_scalar**-0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None where it attends to the whole context."""
+        sliding = self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION
+        return self.sliding_window if sliding else None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type", "llama")
-        if model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; Baton runs Llama-family "
-                f"models ({', '.join(_SUPPORTED_MODEL_TYPES)})"
+        if model_type not in MODEL_FAMILIES:
+            hint = (
+                " (a multimodal Gemma 3 config; Baton runs the text-only Gemma3ForCausalLM, "
+                "model_type 'gemma3_text')"
+                if model_type == "gemma3"
+                else ""
             )
-        num_heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        if raw.get("mlp_bias"):
-            raise ValueError("mlp_bias=true is not supported (no Llama-family release uses it)")
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported; Llama-family MLPs use 'silu'")
-        # Transformers 5 writes rope settings (theta included) as rope_parameters.
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        attention_bias = bool(raw.get("attention_bias", False))
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
-            model_type=model_type,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            max_position_embeddings=_context_length(raw, model_type),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always biases Q/K/V but not O; Llama's attention_bias covers all four.
-            qkv_bias=attention_bias or model_type == "qwen2",
-            o_proj_bias=attention_bias and model_type != "qwen2",
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            rope_scaling=_parse_rope_scaling(rope),
-        )
+            raise ValueError(
+                f"model_type {model_type!r} is not supported{hint}; supported model types: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if MODEL_FAMILIES[model_type] == "gemma3":
+            raw = {**_GEMMA3_DEFAULTS, **raw}
+            return cls(**_common_fields(raw, model_type), **_gemma3_fields(raw))
+        return cls(**_common_fields(raw, model_type), **_llama_fields(raw, model_type))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -108,9 +131,53 @@ class ModelConfig:
             )
 
 
+def _common_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """What every family reads alike."""
+    num_heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return {
+        "model_type": model_type,
+        "vocab_size": int(raw["vocab_size"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(raw["intermediate_size"]),
+        "num_hidden_layers": int(raw["num_hidden_layers"]),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(raw.get("num_key_value_heads") or num_heads),
+        "head_dim": int(raw.get("head_dim") or hidden // num_heads),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "bos_token_id": raw.get("bos_token_id"),
+        "eos_token_ids": eos_ids,
+    }
+
+
+def _llama_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    if raw.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported (no Llama-family release uses it)")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported; Llama-family MLPs use 'silu'")
+    # Transformers 5 writes rope settings (theta included) as rope_parameters.
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    attention_bias = bool(raw.get("attention_bias", False))
+    layers = int(raw["num_hidden_layers"])
+    return {
+        "rope_theta": float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        "max_position_embeddings": _context_length(raw, model_type),
+        # Qwen2 always biases Q/K/V but not O; Llama's attention_bias covers all four.
+        "qkv_bias": attention_bias or model_type == "qwen2",
+        "o_proj_bias": attention_bias and model_type != "qwen2",
+        "rope_scaling": _parse_rope_scaling(rope, "rope_scaling"),
+        "hidden_act": "silu",
+        "layer_types": (FULL_ATTENTION,) * layers,
+    }
+
+
 def _context_length(raw: dict[str, Any], model_type: str) -> int:
-    """The context the model runs at here. Attention here is over the whole context,
-    which is what a sliding window (Mistral v0.1's 4096; Qwen2's when it turns
+    """The context the model runs at here. Llama-family attention here is over the whole
+    context, which is what a sliding window (Mistral v0.1's 4096; Qwen2's when it turns
     use_sliding_window on) attends to as long as the sequence fits in it: the context
     stops at the window, so that output never differs from the model's own."""
     length = int(raw.get("max_position_embeddings", 2048))
@@ -120,14 +187,132 @@ def _context_length(raw: dict[str, Any], model_type: str) -> int:
     return length
 
 
-def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+# Gemma3TextConfig's defaults, for keys a config.json leaves out (Gemma 2B's shapes; a
+# head_dim of 256 whatever the hidden size, tied embeddings).
+_GEMMA3_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+}
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_THETA = {FULL_ATTENTION: 1_000_000.0, SLIDING_ATTENTION: 10_000.0}
+
+
+def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's text model, read as transformers' Gemma3TextConfig reads it."""
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(
+            "use_bidirectional_attention=true is not supported; Baton runs causal "
+            "(generative) Gemma 3 models"
+        )
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            "attn_logit_softcapping is not supported (Gemma 3 releases leave it null); "
+            "set it to null"
+        )
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"hidden_activation {act!r} is not supported; Gemma 3 MLPs use 'gelu_pytorch_tanh'"
+        )
+    layer_types = _gemma3_layer_types(raw)
+    window = raw["sliding_window"]
+    if SLIDING_ATTENTION in layer_types and (window is None or int(window) < 1):
+        raise ValueError(
+            f"sliding_window={window!r}: the config has sliding layers, so it needs a "
+            "window of 1 or more tokens"
+        )
+    full_rope, local_rope = _gemma3_rope(raw)
+    softcap = raw.get("final_logit_softcapping")
+    attention_bias = bool(raw.get("attention_bias", False))
+    return {
+        "rope_theta": float(full_rope["rope_theta"]),
+        # The whole context: sliding layers attend to exactly their window.
+        "max_position_embeddings": int(raw["max_position_embeddings"]),
+        "qkv_bias": attention_bias,
+        "o_proj_bias": attention_bias,
+        "rope_scaling": _parse_rope_scaling(full_rope, "rope_parameters.full_attention"),
+        "hidden_act": act,
+        "layer_types": layer_types,
+        "sliding_window": None if window is None else int(window),
+        "local_rope_theta": float(local_rope["rope_theta"]),
+        "query_pre_attn_scalar": float(raw["query_pre_attn_scalar"]),
+        "final_logit_softcapping": None if softcap is None else float(softcap),
+    }
+
+
+def _gemma3_layer_types(raw: dict[str, Any]) -> tuple[str, ...]:
+    """`layer_types`, or, in older configs, every `sliding_window_pattern`-th layer full
+    and the others sliding."""
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(
+            raw.get("sliding_window_pattern")
+            or raw.get("_sliding_window_pattern")
+            or _GEMMA3_SLIDING_PATTERN
+        )
+        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers)]
+    unknown = set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if len(types) != layers or unknown:
+        raise ValueError(
+            f"layer_types must list {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each of "
+            f"the {layers} layers; got {types!r}"
+        )
+    return tuple(types)
+
+
+def _gemma3_rope(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(full-attention, sliding-attention) rope parameters: transformers 5's
+    rope_parameters per layer type, with an old config's rope_scaling applied to full
+    layers and its rope_theta / rope_local_base_freq as the bases."""
+    given = raw.get("rope_parameters") or {}
+    full = dict(given.get(FULL_ATTENTION) or {"rope_type": "default"})
+    local = dict(given.get(SLIDING_ATTENTION) or {"rope_type": "default"})
+    if raw.get("rope_scaling"):
+        full.update(raw["rope_scaling"])
+    full.setdefault("rope_theta", raw.get("rope_theta", _GEMMA3_THETA[FULL_ATTENTION]))
+    local.setdefault(
+        "rope_theta", raw.get("rope_local_base_freq", _GEMMA3_THETA[SLIDING_ATTENTION])
+    )
+    if _parse_rope_scaling(local, "rope_parameters.sliding_attention") is not None:
+        raise ValueError(
+            "rope_parameters.sliding_attention: scaled rope on sliding layers is not "
+            "supported; use rope_type 'default'"
+        )
+    for kind, params in ((FULL_ATTENTION, full), (SLIDING_ATTENTION, local)):
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                f"rope_parameters.{kind}.partial_rotary_factor is not supported; Baton "
+                "rotates the whole head (1.0)"
+            )
+    return full, local
+
+
+def _parse_rope_scaling(
+    raw: dict[str, Any] | None, field: str
+) -> RopeScaling | LinearRopeScaling | None:
     if not raw:
         return None
     kind = raw.get("rope_type", raw.get("type"))
     if kind in (None, "default"):
         return None
+    if kind == "linear":
+        return LinearRopeScaling(factor=float(raw["factor"]))
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: 'llama3')")
+        raise ValueError(
+            f"{field} type {kind!r} is not supported (supported: 'default', 'linear', 'llama3')"
+        )
     return RopeScaling(
         factor=float(raw["factor"]),
         low_freq_factor=float(raw["low_freq_factor"]),

@@ -1,11 +1,13 @@
 """Baton's own CPU kernels (`csrc/*.c`): built once per machine, called through ctypes.
 
 - `baton_block_matmul`: small-batch matmuls from GGUF blocks (block_matmul.py);
-- `baton_paged_decode_attention`: decode attention read through block tables, and
+- `baton_paged_decode_attention`: decode attention read through block tables (over the
+  whole context or a sliding window), and
   `baton_write_kv`: a step's new K/V into their cache slots (attention.py);
-- `baton_rms_norm`: RMSNorm with the residual add, in one pass (llama.py);
+- `baton_rms_norm`: RMSNorm with the residual add, in one pass (norm.py);
 - `baton_rope`: rotary embeddings of a step's query and key heads (rope.py);
-- `baton_silu_mul`: SwiGLU's silu(gate) * up over the fused projection (llama.py).
+- `baton_silu_mul`: SwiGLU's silu(gate) * up over the fused projection, and
+  `baton_gelu_tanh_mul`: GeGLU's gelu_tanh(gate) * up (mlp.py).
 
 They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
 into Baton's cache (about three seconds, no torch headers or ninja). OpenMP resolves to
@@ -44,12 +46,13 @@ _PROTOTYPES = {
     "baton_block_matmul": [_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _int],
     "baton_paged_decode_attention": [
         *(_ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64),
-        *(_int, _int, _int, _int, ctypes.c_float, _ptr, _int),
+        *(_int, _int, _int, _int, ctypes.c_float, _i64, _ptr, _int),
     ],
     "baton_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _int, _ptr, _ptr, _i64],
     "baton_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _int],
     "baton_rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
     "baton_silu_mul": [_ptr, _i64, _i64, _ptr, _int],
+    "baton_gelu_tanh_mul": [_ptr, _i64, _i64, _ptr, _int],
 }
 
 _lock = threading.Lock()

@@ -1,4 +1,5 @@
-"""Builds a model and fills it from safetensors, each rank reading only its shards."""
+"""Builds a model (the class its config's family names, workers/model/models/) and fills
+it from safetensors, each rank reading only its shards."""
 
 from __future__ import annotations
 
@@ -17,15 +18,12 @@ from workers.model.block_matmul import (
     BlockSource,
 )
 from workers.model.config import ModelConfig
-from workers.model.llama import LlamaForCausalLM
+from workers.model.models import CausalLM, model_class
 from workers.model.parallel import TPGroup, copy_weight, native_bf16_matmul
 
 logger = logging.getLogger(__name__)
 
-# Packed layer -> the checkpoint parts it is built from.
-_PACKED_SHARDS: dict[str, set[str]] = {}
-for _layer, _shard in LlamaForCausalLM.packed_modules.values():
-    _PACKED_SHARDS.setdefault(_layer, set()).add(_shard)
+PackedModules = dict[str, tuple[str, str]]
 
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -76,7 +74,7 @@ def load_model(
     max_positions: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> LlamaForCausalLM:
+) -> CausalLM:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not native_bf16_matmul():
@@ -85,7 +83,7 @@ def load_model(
             "set dtype to float32 (or auto) on this machine"
         )
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, tp, max_positions, dtype)
+        model = model_class(cfg)(cfg, tp, max_positions, dtype)
     load_weights(model, model_dir)
     if dtype == torch.float32 and torch.device(device).type == "cpu":
         load_blocks(model, model_dir)
@@ -93,8 +91,9 @@ def load_model(
     return model.eval()
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_weights(model: CausalLM, model_dir: Path) -> None:
     modules = dict(model.named_modules())
+    packed = model.packed_modules
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     for path in safetensors_files(model_dir):
@@ -102,7 +101,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                module_path, param_name, shard_id = _resolve(name)
+                module_path, param_name, shard_id = _resolve(name, packed)
                 if module_path == "lm_head" and model.config.tie_word_embeddings:
                     continue
                 module = modules.get(module_path)
@@ -117,12 +116,12 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     # A tied LM head shares the embedding's parameter, which named_parameters
     # lists once, under the embedding's name. A packed layer counts as loaded only
     # when every one of its parts (q, k, v / gate, up) was.
-    missing = sorted(n for n in expected if not _parts(n) <= loaded)
+    missing = sorted(n for n in expected if not _parts(n, packed) <= loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors: {missing[:8]}")
 
 
-def load_blocks(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_blocks(model: CausalLM, model_dir: Path) -> None:
     """Hands the layers their weights' GGUF blocks (block_matmul.py), where the folder
     has them and this machine runs the kernel. A tied embedding's blocks serve the LM
     head; the embedding lookup itself reads the float32 copy."""
@@ -142,7 +141,7 @@ def load_blocks(model: LlamaForCausalLM, model_dir: Path) -> None:
         for name, kind in (f.metadata() or {}).items():
             if name in ("format", WEIGHTS_DIGEST_KEY):
                 continue
-            module_path, _, shard_id = _resolve(name)
+            module_path, _, shard_id = _resolve(name, model.packed_modules)
             if module_path == "model.embed_tokens" and model.config.tie_word_embeddings:
                 module_path = "lm_head"
             loader = getattr(modules.get(module_path), "load_blocks", None)
@@ -163,21 +162,21 @@ def blocks_match_weights(model_dir: Path) -> bool:
     return written_for == weights_digest(model_dir)
 
 
-def _parts(param: str) -> set[str]:
+def _parts(param: str, packed: PackedModules) -> set[str]:
     """What loading `param` takes: its name, or one name per part of a packed layer."""
-    module_path = param.rpartition(".")[0]
-    shards = _PACKED_SHARDS.get(module_path.rpartition(".")[2])
-    return {param} if shards is None else {f"{param}#{shard}" for shard in shards}
+    layer = param.rpartition(".")[0].rpartition(".")[2]
+    shards = {shard for packed_layer, shard in packed.values() if packed_layer == layer}
+    return {f"{param}#{shard}" for shard in shards} if shards else {param}
 
 
-def _resolve(name: str) -> tuple[str, str, str | None]:
+def _resolve(name: str, packed_modules: PackedModules) -> tuple[str, str, str | None]:
     """Checkpoint name -> (module path, parameter, shard of a packed layer).
 
     'model.layers.0.self_attn.q_proj.weight' -> ('model.layers.0.self_attn.qkv_proj', 'weight', 'q')
     """
     module_path, param_name = name.rsplit(".", 1)
     parent, _, leaf = module_path.rpartition(".")
-    packed = LlamaForCausalLM.packed_modules.get(leaf)
+    packed = packed_modules.get(leaf)
     if packed is None:
         return module_path, param_name, None
     return f"{parent}.{packed[0]}", param_name, packed[1]

@@ -8,13 +8,17 @@ import torch
 from torch import nn
 
 from workers.model import kernels
-from workers.model.config import RopeScaling
+from workers.model.config import LinearRopeScaling, RopeScaling
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | None
+) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     # Llama 3: long wavelengths are slowed by `factor`, short ones kept, and the
     # band in between interpolated smoothly.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -42,7 +46,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: RopeScaling | None = None,
+        scaling: RopeScaling | LinearRopeScaling | None = None,
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()

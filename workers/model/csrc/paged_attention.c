@@ -4,6 +4,8 @@
  * cache  [Hkv, num_slots, D]        K and V of one layer; slot = block * block_size + offset
  * tables [B, max_blocks]            each sequence's block table (padding past its length unused)
  * lengths[B]                        tokens of context, the new one included
+ * window                            keys each query sees, itself included (0: all of them):
+ *                                   a sliding-window layer's, read from length - window on
  * out    [B, Hq, D]
  *
  * Each (sequence, KV head) reads its keys and values once, through the block table, for
@@ -78,7 +80,8 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, float r
 
 static inline __attribute__((always_inline)) void one_head_group(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-    int64_t length, int G, const int D, int block_size, float scale, float *out) {
+    int64_t length, int64_t window, int G, const int D, int block_size, float scale,
+    float *out) {
   float acc[MAX_GROUP][MAX_DIM];
   float running_max[MAX_GROUP], denom[MAX_GROUP], s[CHUNK] = {0};
   for (int g = 0; g < G; ++g) {
@@ -87,7 +90,7 @@ static inline __attribute__((always_inline)) void one_head_group(
     for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
   }
   /* Runs of keys contiguous in the cache: within a block, at most CHUNK at a time. */
-  for (int64_t t = 0; t < length;) {
+  for (int64_t t = window > 0 && length > window ? length - window : 0; t < length;) {
     const int64_t offset = t % block_size;
     int64_t n = block_size - offset;
     if (n > length - t) n = length - t;
@@ -131,10 +134,12 @@ static inline __attribute__((always_inline)) void one_head_group(
 int baton_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                  int64_t num_slots, const int64_t *tables, int64_t max_blocks,
                                  const int64_t *lengths, int64_t B, int Hq, int Hkv, int D,
-                                 int block_size, float scale, float *out, int num_threads) {
+                                 int block_size, float scale, int64_t window, float *out,
+                                 int num_threads) {
   if (D % 8 != 0 || D > MAX_DIM || Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > MAX_GROUP ||
       block_size <= 0)
     return -1;
+  if (window < 0) return -2;
   const int64_t num_blocks = num_slots / block_size;
   for (int64_t b = 0; b < B; ++b) {
     if (lengths[b] < 1 || lengths[b] > max_blocks * block_size) return -2;
@@ -151,11 +156,13 @@ int baton_paged_decode_attention(const float *q, const float *k_cache, const flo
     float *oh = out + (b * Hq + h * G) * D;
     /* Constant head dims of common models let the accumulators live in registers. */
     if (D == 64)
-      one_head_group(qh, kh, vh, table, lengths[b], G, 64, block_size, scale, oh);
+      one_head_group(qh, kh, vh, table, lengths[b], window, G, 64, block_size, scale, oh);
     else if (D == 128)
-      one_head_group(qh, kh, vh, table, lengths[b], G, 128, block_size, scale, oh);
+      one_head_group(qh, kh, vh, table, lengths[b], window, G, 128, block_size, scale, oh);
+    else if (D == 256)
+      one_head_group(qh, kh, vh, table, lengths[b], window, G, 256, block_size, scale, oh);
     else
-      one_head_group(qh, kh, vh, table, lengths[b], G, D, block_size, scale, oh);
+      one_head_group(qh, kh, vh, table, lengths[b], window, G, D, block_size, scale, oh);
   }
   return 0;
 }

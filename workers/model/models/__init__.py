@@ -1,0 +1,23 @@
+"""The model families, one readable module each (`llama.py`, `gemma3.py`), and the
+registry that picks a config's (by `ModelConfig.family`, from its model_type; config.py
+refuses the model types no family runs)."""
+
+from __future__ import annotations
+
+from workers.model.config import ModelConfig
+from workers.model.models.causal_lm import CausalLM
+from workers.model.models.gemma3 import Gemma3ForCausalLM
+from workers.model.models.llama import LlamaForCausalLM
+
+# ModelConfig.family -> the class that runs it.
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    return MODEL_CLASSES[cfg.family]
+
+
+__all__ = ["CausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "model_class"]

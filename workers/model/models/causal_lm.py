@@ -1,0 +1,66 @@
+"""What every model family's causal LM shares: the LM head, the checkpoint names packed
+into one parallel layer, weight packing, and the face the runner and loader use
+(`forward`, `compute_logits`, `attention_layers`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.attention import AttentionMetadata, PagedAttention
+from workers.model.config import ModelConfig
+from workers.model.parallel import (
+    PackableLinear,
+    ParallelLMHead,
+    TPGroup,
+    keep_faster_single_row_copy,
+)
+
+
+class CausalLM(nn.Module):
+    # Checkpoint projections packed into one parallel layer: name -> (layer, shard).
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    config: ModelConfig
+    # The family's decoder: `embed_tokens`, `layers` (each with `self_attn.attn`) and
+    # its final norm, called with (token_ids, positions, meta).
+    model: nn.Module
+
+    def __init__(self, cfg: ModelConfig, decoder: nn.Module, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        self.model = decoder
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_weights(self) -> None:
+        """Re-lays out every projection for fast CPU matmuls (a no-op elsewhere), keeping
+        for single rows whichever copy this CPU multiplies faster."""
+        layers = [m for m in self.modules() if isinstance(m, PackableLinear)]
+        for module in layers:
+            module.pack()
+        keep_faster_single_row_copy(layers)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for the flattened step batch."""
+        return self.model(token_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is None:
+            return logits
+        # Soft-capped as transformers does: cap * tanh(logits / cap).
+        return torch.tanh(logits / cap) * cap

@@ -1,0 +1,119 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2) as one readable model.
+
+Tensor parallelism lives inside the layers (see `parallel.py`): with a
+single-rank `TPGroup` this is a plain dense model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.attention import AttentionMetadata, PagedAttention
+from workers.model.config import ModelConfig
+from workers.model.mlp import GatedMLP
+from workers.model.models.causal_lm import CausalLM
+from workers.model.norm import RMSNorm
+from workers.model.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+from workers.model.rope import RotaryEmbedding, apply_rope
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        d = cfg.head_dim
+        _, self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        _, self.num_kv_heads = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.head_dim = d
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            {
+                "q": cfg.num_attention_heads * d,
+                "k": cfg.num_key_value_heads * d,
+                "v": cfg.num_key_value_heads * d,
+            },
+            tp,
+            bias=cfg.qkv_bias,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, tp, bias=cfg.o_proj_bias, dtype=dtype
+        )
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        tokens = qkv.shape[0]
+        # Q and K heads are rotated together in one pass.
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
+        q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", tp, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeTables,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): each layer's output
+        joins the stream in the next norm, so the add rides along with the norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(token_ids), None
+        rope = self.rotary.tables(positions)
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup | None = None,
+        max_positions: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        tp = tp or TPGroup.single()
+        decoder = LlamaModel(cfg, tp, max_positions or cfg.max_position_embeddings, dtype)
+        super().__init__(cfg, decoder, tp, dtype)
