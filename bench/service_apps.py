@@ -10,7 +10,7 @@ from ray import serve
 
 from serve_app.config import TRANSPORTS, AppConfig, PoolConfig
 from serve_app.ops import service_ops
-from serve_app.routing.prefix_registry import app_registry_name, remove_registry
+from serve_app.routing.registry_names import app_registry_name, remove_registry
 from serve_app.serve_config import GRPC_SERVICER_FUNCTIONS
 
 

@@ -3,12 +3,15 @@
 One pydantic model, validated at the edge (unknown keys rejected, every range checked),
 so a Serve config's `args:` block, `baton serve`'s flags and the Helm chart's values all
 meet the same rules. Engines receive plain `EngineConfig`s built from it.
+
+It imports no engine code (torch) until a method needs it: the `baton` commands that
+only talk to a running service (generate, status, stop) read it without loading torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import (
     AfterValidator,
@@ -19,10 +22,11 @@ from pydantic import (
     model_validator,
 )
 
-from serve_app.routing.prefix_registry import PrefixRegistryConfig, app_registry_name
 from serve_app.status_board import DEFAULT_BOARD_NAME
-from workers.engine import EngineConfig, SchedulerConfig, SpeculativeConfig
-from workers.model import ModelConfig
+
+if TYPE_CHECKING:
+    from serve_app.routing.prefix_registry import PrefixRegistryConfig
+    from workers.engine import EngineConfig
 
 # How prefill's KV blocks reach decode (workers/kv/transport.py): "nixl" (Ray
 # Direct Transport: decode pulls the KV heads straight from the prefill ranks holding
@@ -127,6 +131,8 @@ class PoolConfig(_Frozen):
 
     @model_validator(mode="after")
     def _budget_per_step(self) -> PoolConfig:
+        from workers.engine import SchedulerConfig
+
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # the engine's rule
         return self
 
@@ -155,7 +161,8 @@ class RouterConfig(_Frozen):
 
 
 class AppConfig(_Frozen):
-    # A local Hugging Face Llama-family folder, or "default" for the bundled SmolLM2.
+    # A local Hugging Face model folder (Llama family or Gemma 3), or "default" for the
+    # bundled SmolLM2.
     model: str = "default"
     # The name clients use (OpenAI "model", gRPC model info); defaults to the folder's name.
     served_model_name: str | None = None
@@ -179,9 +186,11 @@ class AppConfig(_Frozen):
     stream_interval: int = Field(1, ge=1, le=64)
     output_channel: OutputChannel = "grpc"
     # Pools: "aggregated" mode uses `aggregated`, "disaggregated" uses prefill and decode.
-    aggregated: PoolConfig = PoolConfig()
-    prefill: PoolConfig = PoolConfig()
-    decode: PoolConfig = PoolConfig()
+    # The defaults are built unvalidated (equal to `PoolConfig()`, whose values the engine
+    # accepts: tests/test_config.py), so importing this module imports no engine code.
+    aggregated: PoolConfig = PoolConfig.model_construct()
+    prefill: PoolConfig = PoolConfig.model_construct()
+    decode: PoolConfig = PoolConfig.model_construct()
     router: RouterConfig = RouterConfig()
     # Name of the detached prefix-registry actor the router and pool replicas share (Ray
     # namespace "baton"). None: the application's own, named after its Serve application
@@ -218,6 +227,9 @@ class AppConfig(_Frozen):
     def prefix_registry(self, app_name: str) -> PrefixRegistryConfig:
         """The prefix registry of this config deployed as Serve application `app_name`:
         `registry_name`, else the application's own."""
+        from serve_app.routing.prefix_registry import PrefixRegistryConfig
+        from serve_app.routing.registry_names import app_registry_name
+
         return PrefixRegistryConfig(name=self.registry_name or app_registry_name(app_name))
 
     def model_dir(self) -> Path:
@@ -256,6 +268,8 @@ class AppConfig(_Frozen):
         """Tokens one request may span: the engines' `EngineConfig.context_length`, the
         least of every pool's (each holds a request's blocks whole). ValueError, naming
         the pool, if `max_model_len` is more than a pool's KV cache holds."""
+        from workers.model import ModelConfig
+
         model = ModelConfig.from_pretrained(model_dir)
         lengths = []
         for role, pool in self.pools().items():
@@ -277,6 +291,8 @@ class AppConfig(_Frozen):
         return "nixl" if direct else "object_store"
 
     def engine_config(self, pool: PoolConfig, model_dir: str, model_id: str | None) -> EngineConfig:
+        from workers.engine import EngineConfig, SpeculativeConfig
+
         return EngineConfig(
             model=model_dir,
             block_size=self.block_size,

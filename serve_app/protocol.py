@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from workers.engine import BlockHash, KVHandle, KVPart, RequestOutput, SamplingParams
+if TYPE_CHECKING:  # annotations only: Serve imports this module wherever it reads the
+    # request router's config (`baton status` too), which must not load the engine
+    from workers.engine import BlockHash, KVHandle, KVPart, RequestOutput, SamplingParams
 
 # Serve's request router reads this attribute of a request's first argument.
 ROUTING_HINT_ATTR = "prefix_hits"

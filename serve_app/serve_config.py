@@ -2,7 +2,8 @@
 
 `baton serve` and the Helm chart both deploy exactly this: one application built by
 `build_app` from the AppConfig's fields, Serve's HTTP proxy on 8000 and its gRPC proxy
-on 9000 with Baton's service, the standard health service and server reflection.
+on 9000 with Baton's service, the standard health service and server reflection (v1 and
+v1alpha).
 
 Replica counts and autoscaling are not in the application's `args` but in its
 `deployments:` overrides. Serve versions every deployment of a config-file application
@@ -13,9 +14,12 @@ the prefill deployment's target, and Serve adds replicas beside the running ones
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from serve_app.config import AppConfig, PoolConfig
+if TYPE_CHECKING:
+    # Only named in annotations: the names below (ports, the application's name, message
+    # limit) are what the `baton` client commands import, and config.py is pydantic's.
+    from serve_app.config import AppConfig, PoolConfig
 
 IMPORT_PATH = "serve_app.app:build_app"
 APP_NAME = "baton"
@@ -32,10 +36,13 @@ DEPLOYMENT_NAMES = {
 }
 ROUTER_NAME = "Router"
 # Services Serve's gRPC proxy registers and routes to the router deployment (a method of
-# the same name answers each RPC). Server reflection is the proxy's own (enable_reflection).
+# the same name answers each RPC). Server reflection is the gRPC server's own: v1alpha is
+# Serve's (enable_reflection), v1 Baton's (grpc/reflection.py), registered last so that it
+# lists the services before it.
 GRPC_SERVICER_FUNCTIONS = (
     "serve_app.grpc.servicer.add_baton_servicer_to_server",
     "serve_app.grpc.servicer.add_health_servicer_to_server",
+    "serve_app.grpc.reflection.add_reflection_v1_to_server",
 )
 
 

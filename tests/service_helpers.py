@@ -16,7 +16,7 @@ from ray import serve
 from serve_app.grpc.api import baton_pb2 as pb
 from serve_app.model_frontend import ModelFrontend, PromptInput
 from serve_app.ops.client import generate_request
-from serve_app.routing.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
+from serve_app.routing.registry_names import REGISTRY_NAMESPACE, app_registry_name
 from serve_app.status_board import DEFAULT_BOARD_NAME, get_or_create_board
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import model_identity

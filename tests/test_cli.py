@@ -144,3 +144,44 @@ def test_drain_exits_1_while_the_node_still_serves(monkeypatch, serving_left, st
 
     monkeypatch.setattr(node_drain, "drain", drain)
     assert main(["drain", "--deadline-s", "5"]) == status
+
+
+def test_serve_logs_each_deployments_replicas_while_it_waits(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from ray.serve.schema import ApplicationStatus
+
+    def app(status, **replicas):
+        deployments = {
+            name: SimpleNamespace(status="UPDATING", message="", replica_states=states)
+            for name, states in replicas.items()
+        }
+        return SimpleNamespace(status=status, message="", deployments=deployments)
+
+    deploying = ApplicationStatus.DEPLOYING
+    seen = iter(
+        [
+            None,
+            app(deploying, Router={}, PrefillServer={}),
+            app(deploying, Router={"STARTING": 1}, PrefillServer={"STARTING": 1}),
+            app(deploying, Router={"STARTING": 1}, PrefillServer={"STARTING": 1}),
+            app(deploying, Router={"RUNNING": 1}, PrefillServer={"STARTING": 1}),
+            app(ApplicationStatus.RUNNING, Router={"RUNNING": 1}, PrefillServer={"RUNNING": 1}),
+        ]
+    )
+    fake_serve = SimpleNamespace(
+        run_many=lambda *a, **k: None,
+        RunTarget=lambda *a, **k: None,
+        status=lambda: SimpleNamespace(applications={"baton": a} if (a := next(seen)) else {}),
+    )
+    monkeypatch.setattr(service_ops, "serve", fake_serve)
+    monkeypatch.setattr(service_ops, "_DEPLOY_POLL_S", 0.0)
+    with caplog.at_level("INFO", logger="baton"):
+        service_ops._run_within(object(), "baton", "/", timeout_s=60)
+    lines = [r.getMessage().split(": ", 1)[1] for r in caplog.records]
+    assert lines == [
+        "waiting for Serve to create the deployments",
+        "Router no replicas yet; PrefillServer no replicas yet",
+        "Router 1 starting; PrefillServer 1 starting",  # once: it did not change
+        "Router 1 running; PrefillServer 1 starting",
+    ]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, PoolConfig
 from serve_app.ops.service_ops import Deployed
-from serve_app.routing.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
+from serve_app.routing.registry_names import REGISTRY_NAMESPACE, app_registry_name
 from serve_app.serve_config import serve_config
 
 
@@ -42,3 +42,17 @@ def test_a_registry_name_is_non_empty_and_not_the_status_boards():
         AppConfig(registry_name="baton-status")
     with pytest.raises(ValidationError, match="must name different actors"):
         AppConfig(registry_name="mine", status_board_name="mine")
+
+
+def test_the_pools_defaults_are_validated_pools_the_engine_accepts():
+    # Built unvalidated, so that importing config.py imports no engine code; they are
+    # what a validated PoolConfig() is, which the engine's own rules accept.
+    from workers.engine import SchedulerConfig
+
+    for name in ("aggregated", "prefill", "decode"):
+        default = AppConfig.model_fields[name].default
+        assert default == PoolConfig() and getattr(AppConfig(), name) == PoolConfig()
+        SchedulerConfig(default.max_num_seqs, default.max_num_batched_tokens)
+    assert AppConfig(prefill=PoolConfig()).model_dump(exclude_defaults=True) == {}
+    with pytest.raises(ValidationError, match="max_num_batched_tokens"):
+        AppConfig.model_validate({"decode": {"max_num_seqs": 8, "max_num_batched_tokens": 4}})

@@ -12,11 +12,10 @@ from serve_app.routing.prefix_index import PrefixIndex
 from serve_app.routing.prefix_registry import (
     HEARTBEAT_S,
     PrefixRegistryConfig,
-    app_registry_name,
     get_or_create_registry,
-    remove_registry,
 )
 from serve_app.routing.registry_lookup import RegistryLookup
+from serve_app.routing.registry_names import app_registry_name, remove_registry
 from workers.engine.block_hash import BlockHash, hash_full_blocks, root_hash
 
 ROOT = root_hash("m", None)

@@ -18,7 +18,7 @@ from serve_app.config import AppConfig, AutoscalingConfig, PoolConfig
 from serve_app.ops import node_drain, service_ops
 from serve_app.ops.client import BatonClient, generate_request
 from serve_app.ops.ports import Ingress, serve_running
-from serve_app.routing.prefix_registry import REGISTRY_NAMESPACE, app_registry_name
+from serve_app.routing.registry_names import REGISTRY_NAMESPACE, app_registry_name
 from serve_app.serve_config import (
     APP_NAME,
     DEPLOYMENT_NAMES,

@@ -297,7 +297,8 @@ to equality, so a change to one must be made in the other.
       "port" 9000
       "grpc_servicer_functions" (list
         "serve_app.grpc.servicer.add_baton_servicer_to_server"
-        "serve_app.grpc.servicer.add_health_servicer_to_server")
+        "serve_app.grpc.servicer.add_health_servicer_to_server"
+        "serve_app.grpc.reflection.add_reflection_v1_to_server")
       "enable_reflection" true)
     "applications" (list (dict
       "name" "baton"

@@ -62,8 +62,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default=None,
-        help="with --local: a local Hugging Face Llama-family folder (default: bundled "
-        "SmolLM2-135M-Instruct)",
+        help="with --local: a local Hugging Face model folder, Llama family or Gemma 3 "
+        "(default: bundled SmolLM2-135M-Instruct)",
     )
     gen.add_argument(
         "--dtype", choices=DTYPES, default=None, help="with --local: the engine's (default auto)"
@@ -265,6 +265,15 @@ _COMMANDS = {
 }
 
 
+def _model_fetch_error() -> tuple[type[Exception], ...]:
+    """workers.model's ModelFetchError, where a command imported it (`serve`, `generate
+    --local`): only code that did can raise it, and importing it would load torch for the
+    commands that only talk to a running service. (An `except` clause's tuple is evaluated
+    when an exception is matched, after the command ran.)"""
+    model = sys.modules.get("workers.model")
+    return (model.ModelFetchError,) if model is not None else ()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO,
@@ -272,11 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     args = _build_parser().parse_args(argv)
-    from workers.model import ModelFetchError
-
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, ModelFetchError, ConnectionError, TimeoutError) as e:
+    except (ValueError, *_model_fetch_error(), ConnectionError, TimeoutError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, subprocess.CalledProcessError) as e:

@@ -33,7 +33,7 @@ from serve_app.ops.ports import (
     recorded_ingress,
     serve_running,
 )
-from serve_app.routing.prefix_registry import app_registry_name, remove_registry
+from serve_app.routing.registry_names import app_registry_name, remove_registry
 from serve_app.serve_config import (
     APP_NAME,
     GRPC_SERVICER_FUNCTIONS,
@@ -57,6 +57,7 @@ LOCAL_HEAD_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 # unplaceable pool would otherwise hang `baton serve` / `baton scale` silently.
 DEPLOY_TIMEOUT_S = 900.0
 _DEPLOY_POLL_S = 0.5
+_PROGRESS_EVERY_S = 30.0
 
 
 def connect(address: str | None = None, start_if_missing: bool = False) -> None:
@@ -176,6 +177,23 @@ def deploy(
     return ingress
 
 
+def deploy_progress(app_status: Any) -> str:
+    """A deploy's progress in one line, from Serve's status of the application (None:
+    not created yet): each deployment's replicas by state, e.g. `Router 1 running;
+    PrefillServer 1 starting`."""
+    deployments = app_status.deployments if app_status is not None else {}
+    if not deployments:
+        return "waiting for Serve to create the deployments"
+    return "; ".join(
+        f"{name} "
+        + (
+            ", ".join(f"{n} {state.lower()}" for state, n in sorted(d.replica_states.items()))
+            or "no replicas yet"
+        )
+        for name, d in deployments.items()
+    )
+
+
 def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) -> None:
     """`serve.run` with a bound on its wait: Serve's own waits for ever."""
     from ray.serve.schema import ApplicationStatus
@@ -187,7 +205,9 @@ def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) ->
         wait_for_ingress_deployment_creation=False,
         wait_for_applications_running=False,
     )
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
+    shown, shown_at = None, started
     while True:
         app_status = serve.status().applications.get(app_name)
         status = app_status.status if app_status else None
@@ -195,8 +215,15 @@ def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) ->
             return
         if status == ApplicationStatus.DEPLOY_FAILED:
             raise RuntimeError(f"deploying application {app_name!r} failed: {app_status.message}")
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             break
+        # What the wait is on (a first start loads the model in every replica), when it
+        # changes and every _PROGRESS_EVERY_S while it does not.
+        line = deploy_progress(app_status)
+        if line != shown or now - shown_at >= _PROGRESS_EVERY_S:
+            log.info("deploying %r (%.0fs): %s", app_name, now - started, line)
+            shown, shown_at = line, now
         time.sleep(_DEPLOY_POLL_S)
     states = (
         "; ".join(

@@ -12,10 +12,11 @@ wrong answer only costs a recompute, because the engine confirms every block by
 its token ids before reusing it.
 
 `PrefixIndex` (prefix_index.py) is the data structure (plain Python, testable without
-Ray); `PrefixRegistry` is the actor around it, named and detached: one per Serve application
-(`app_registry_name`), unless applications name one to share (`AppConfig.registry_name`).
-Replica ids and block hashes mean something only within the application whose replicas
-published them, so applications on one cluster never share a registry by default.
+Ray); `PrefixRegistry` is the actor around it, named and detached: one per Serve
+application (`registry_names.app_registry_name`), unless applications name one to share
+(`AppConfig.registry_name`). Replica ids and block hashes mean something only within
+the application whose replicas published them, so applications on one cluster never
+share a registry by default.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import ray
 
 from serve_app.routing.prefix_index import DEFAULT_REPLICA_TTL_S, PrefixIndex
+from serve_app.routing.registry_names import REGISTRY_NAMESPACE
 from workers.engine import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -33,18 +35,6 @@ logger = logging.getLogger(__name__)
 # How often each engine replica tells the registry it is alive (an empty `publish`),
 # whether or not its cache changed.
 HEARTBEAT_S = 10.0
-
-# The Ray namespace of every registry actor (the status board's too).
-REGISTRY_NAMESPACE = "baton"
-# What an application's own registry is named after (`app_registry_name`).
-REGISTRY_NAME_PREFIX = "baton-prefix-registry"
-
-
-def app_registry_name(app_name: str) -> str:
-    """The name of Serve application `app_name`'s own registry: what its router and
-    replicas use unless its config names one (`AppConfig.registry_name`). Distinct for
-    distinct applications, so no application's routing hears of another's replicas."""
-    return f"{REGISTRY_NAME_PREFIX}-{app_name}"
 
 
 @dataclass(frozen=True)
@@ -116,15 +106,3 @@ def get_or_create_registry(config: PrefixRegistryConfig) -> ray.actor.ActorHandl
         max_restarts=-1,
     )
     return actor.remote(config.max_entries, config.replica_ttl_s)
-
-
-def remove_registry(name: str, namespace: str = REGISTRY_NAMESPACE) -> bool:
-    """Kills the named registry actor for good (Ray must be initialised); False if there
-    is none. For an application's own registry once the application is deleted: while
-    any of its replicas or routers runs, they would only start a new, empty one."""
-    try:
-        actor = ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return False
-    ray.kill(actor, no_restart=True)
-    return True
