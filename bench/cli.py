@@ -61,8 +61,8 @@ def _measure(name: str, args: list[str], runs: int, **ctx) -> None:
     first, _ = _run(args)
     emit(f"cli.{name}.first_s", first, "s", **ctx)
     times = [_run(args)[0] for _ in range(runs)]
-    emit(f"cli.{name}.median_s", median(times), "s", **ctx)
-    emit(f"cli.{name}.p90_s", _p90(times), "s", **ctx)
+    emit(f"cli.{name}.median_s", median(times), "s", runs=runs, **ctx)
+    emit(f"cli.{name}.p90_s", _p90(times), "s", runs=runs, **ctx)
     log(f"{name}: median {median(times):.2f}s, p90 {_p90(times):.2f}s over {runs} runs")
 
 
@@ -93,7 +93,6 @@ def main() -> None:
         log(f"serving after {serve_s:.1f}s")
     ctx = {
         "commit": git_commit(),
-        "runs": args.runs,
         "started_here": started,
         "cpus": cpu_count(),
     }
