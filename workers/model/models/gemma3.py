@@ -22,12 +22,11 @@ from workers.model.mlp import GatedMLP
 from workers.model.models.causal_lm import CausalLM
 from workers.model.norm import fused_rms_norm
 from workers.model.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorSlice,
     TPGroup,
     VocabParallelEmbedding,
 )
+from workers.model.qkv_attention import QKVAttention
 from workers.model.rope import RotaryEmbedding, apply_rope
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -62,28 +61,10 @@ class Gemma3RMSNorm(nn.Module):
         return out if residual is None else (out, summed)
 
 
-class Attention(nn.Module):
+class Attention(QKVAttention):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype):
-        super().__init__()
+        super().__init__(cfg, tp, dtype)
         d = cfg.head_dim
-        _, self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
-        _, self.num_kv_heads = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.head_dim = d
-        self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size,
-            {
-                "q": cfg.num_attention_heads * d,
-                "k": cfg.num_key_value_heads * d,
-                "v": cfg.num_key_value_heads * d,
-            },
-            tp,
-            bias=cfg.qkv_bias,
-            dtype=dtype,
-        )
-        self.o_proj = RowParallelLinear(
-            cfg.num_attention_heads * d, cfg.hidden_size, tp, bias=cfg.o_proj_bias, dtype=dtype
-        )
         # One weight for every head, so each rank holds all of it.
         self.q_norm = Gemma3RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(d, cfg.rms_norm_eps)

@@ -15,39 +15,19 @@ from workers.model.mlp import GatedMLP
 from workers.model.models.causal_lm import CausalLM
 from workers.model.norm import RMSNorm
 from workers.model.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
 )
+from workers.model.qkv_attention import QKVAttention
 from workers.model.rope import RotaryEmbedding, apply_rope
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
-class Attention(nn.Module):
+class Attention(QKVAttention):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
-        super().__init__()
-        d = cfg.head_dim
-        _, self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
-        _, self.num_kv_heads = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.head_dim = d
-        self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size,
-            {
-                "q": cfg.num_attention_heads * d,
-                "k": cfg.num_key_value_heads * d,
-                "v": cfg.num_key_value_heads * d,
-            },
-            tp,
-            bias=cfg.qkv_bias,
-            dtype=dtype,
-        )
-        self.o_proj = RowParallelLinear(
-            cfg.num_attention_heads * d, cfg.hidden_size, tp, bias=cfg.o_proj_bias, dtype=dtype
-        )
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+        super().__init__(cfg, tp, dtype)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)

@@ -1,0 +1,36 @@
+"""The projections every family's attention layer shares: the checkpoint's q/k/v
+projections packed into one column-parallel `qkv_proj` (CausalLM.packed_modules) and the
+row-parallel `o_proj`, with this rank's share of the heads. A family's attention layer
+subclasses it and adds what it does between them (rope, QK-norm, the paged attention)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.config import ModelConfig
+from workers.model.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+
+
+class QKVAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        d = cfg.head_dim
+        _, self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        _, self.num_kv_heads = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.head_dim = d
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            {
+                "q": cfg.num_attention_heads * d,
+                "k": cfg.num_key_value_heads * d,
+                "v": cfg.num_key_value_heads * d,
+            },
+            tp,
+            bias=cfg.qkv_bias,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, tp, bias=cfg.o_proj_bias, dtype=dtype
+        )
