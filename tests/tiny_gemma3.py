@@ -1,13 +1,12 @@
 """Small random-weight Gemma 3 text folders for fast tests, written by transformers
-itself (`Gemma3ForCausalLM.save_pretrained`), with tiny_model.py's byte tokenizer."""
+itself (`Gemma3ForCausalLM.save_pretrained`), saved as tiny_model.py saves a Llama."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from tiny_model import CHAT_TEMPLATE, _byte_tokenizer
+from tiny_model import save_folder
 
 
 def make_tiny_gemma3(
@@ -61,13 +60,7 @@ def make_tiny_gemma3(
                 p.normal_(0.0, 0.08)
             elif name.endswith("norm.weight"):
                 p.normal_(0.0, 0.3)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    _byte_tokenizer().save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>"})
-    )
-    return out_dir
+    return save_folder(model, out_dir)
 
 
 def tp_rank_prefill_logits(

@@ -71,6 +71,12 @@ def make_tiny_model(
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+    return save_folder(model, out_dir)
+
+
+def save_folder(model, out_dir: Path) -> Path:
+    """A transformers model written as a Hugging Face folder, with the byte tokenizer and
+    the chat template."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     _byte_tokenizer().save(str(out_dir / "tokenizer.json"))

@@ -27,15 +27,24 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    config: ModelConfig
-    # The family's decoder: `embed_tokens`, `layers` (each with `self_attn.attn`) and
-    # its final norm, called with (token_ids, positions, meta).
-    model: nn.Module
+    # The family's decoder, built as decoder_class(cfg, tp, max_positions, dtype):
+    # `embed_tokens`, `layers` (each with `self_attn.attn`) and its final norm, called
+    # with (token_ids, positions, meta).
+    decoder_class: type[nn.Module]
 
-    def __init__(self, cfg: ModelConfig, decoder: nn.Module, tp: TPGroup, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup | None = None,
+        max_positions: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
+        tp = tp or TPGroup.single()
         self.config = cfg
-        self.model = decoder
+        self.model = self.decoder_class(
+            cfg, tp, max_positions or cfg.max_position_embeddings, dtype
+        )
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -153,13 +153,4 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        tp: TPGroup | None = None,
-        max_positions: int | None = None,
-        dtype: torch.dtype = torch.float32,
-    ):
-        tp = tp or TPGroup.single()
-        decoder = Gemma3Model(cfg, tp, max_positions or cfg.max_position_embeddings, dtype)
-        super().__init__(cfg, decoder, tp, dtype)
+    decoder_class = Gemma3Model

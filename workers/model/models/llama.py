@@ -87,13 +87,4 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        tp: TPGroup | None = None,
-        max_positions: int | None = None,
-        dtype: torch.dtype = torch.float32,
-    ):
-        tp = tp or TPGroup.single()
-        decoder = LlamaModel(cfg, tp, max_positions or cfg.max_position_embeddings, dtype)
-        super().__init__(cfg, decoder, tp, dtype)
+    decoder_class = LlamaModel
