@@ -27,7 +27,7 @@ from common import TOPICS, cpu_count, emit, git_commit, log, median, topic_promp
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.llm_engine import LLMEngine  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
-from workers.model.default_model import ensure_default_model  # noqa: E402
+from workers.model.model_cache import ensure_default_model  # noqa: E402
 
 PROMPT_TOKENS = 1024
 SEEN_TOKENS = 960  # 60 full blocks of 16

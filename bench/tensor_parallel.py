@@ -27,7 +27,7 @@ import torch
 from common import cpu_count, emit, git_commit, log, median
 
 from workers.model.config import ModelConfig
-from workers.model.default_model import ensure_default_model
+from workers.model.model_cache import ensure_default_model
 from workers.runner.model_runner import ModelRunner
 from workers.runner.runner_spec import RunnerSpec
 from workers.runner.step_io import SeqChunk, StepInput

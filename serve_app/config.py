@@ -161,9 +161,9 @@ class RouterConfig(_Frozen):
 
 
 class AppConfig(_Frozen):
-    # A local Hugging Face model folder (Llama family or Gemma 3), or "default" for the
-    # bundled SmolLM2.
-    model: str = "default"
+    # A bundled model's name (smollm2-135m-instruct, gemma3-270m; "default" is the first),
+    # a GGUF file or a local Hugging Face model folder (Llama family or Gemma 3).
+    model: str = Field("default", min_length=1)
     # The name clients use (OpenAI "model", gRPC model info); defaults to the folder's name.
     served_model_name: str | None = None
     mode: Mode = "disaggregated"
@@ -233,18 +233,11 @@ class AppConfig(_Frozen):
         return PrefixRegistryConfig(name=self.registry_name or app_registry_name(app_name))
 
     def model_dir(self) -> Path:
-        """The model's local folder (the bundled default is unpacked on first use)."""
-        if self.model == "default":
-            from workers.model import ensure_default_model
+        """The model's local folder: a bundled model is fetched and a GGUF file converted
+        on first use, a folder used as it is."""
+        from workers.model import resolve_model
 
-            return ensure_default_model()
-        path = Path(self.model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model must be 'default' or a local Hugging Face model folder with a "
-                f"config.json; {str(path)!r} has none"
-            )
-        return path
+        return resolve_model(self.model)
 
     def pools(self) -> dict[str, PoolConfig]:
         """The pools this mode runs, by role."""

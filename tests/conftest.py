@@ -200,7 +200,7 @@ def chart():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted default model, from the user cache (downloaded and converted at most once)."""
-    from workers.model.default_model import ensure_default_model
+    from workers.model.model_cache import ensure_default_model
 
     return ensure_default_model()
 
@@ -208,7 +208,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_dir: Path) -> Path:
     """The GGUF the default model was converted from, kept beside the converted folder."""
-    from workers.model.default_model import ensure_default_gguf
+    from workers.model.model_cache import ensure_default_gguf
 
     return ensure_default_gguf()
 
@@ -223,6 +223,30 @@ def smollm2_reference(smollm2_gguf: Path):
 
     return AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """The bundled Gemma 3 270M, converted, from the user cache (fetched at most once)."""
+    from workers.model import resolve_model
+
+    return resolve_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_dir: Path):
+    """transformers' own Gemma 3 270M, loaded by its own GGUF loader (its dequantization)
+    from the file the bundled model was converted from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workers.model.bundled_model import bundled_model
+    from workers.model.model_cache import ensure_gguf
+
+    gguf = ensure_gguf(bundled_model("gemma3-270m"))
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     ).eval()
 
 

@@ -177,3 +177,10 @@ def test_local_generation_with_speculation_writes_the_same_text(model_dir, capsy
 def test_engine_settings_need_local(flag, capsys):
     assert main(["generate", *flag, "Hello"]) == 2
     assert "--speculative-tokens need --local" in capsys.readouterr().err
+
+
+def test_model_help_names_every_bundled_model():
+    from serve_app.ops.cli import MODEL_HELP
+    from workers.model import BUNDLED_MODELS
+
+    assert all(name in MODEL_HELP for name in BUNDLED_MODELS)

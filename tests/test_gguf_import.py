@@ -148,7 +148,7 @@ def test_unknown_tensor_raises(tmp_path, make_tiny_gguf):
     [
         ({"skip_keys": ["tokenizer.ggml.pre"]}, "'tokenizer.ggml.pre' is missing"),
         ({"overrides": {"tokenizer.ggml.pre": "qwen2"}}, "unsupported tokenizer.ggml.pre 'qwen2'"),
-        ({"overrides": {"tokenizer.ggml.model": "llama"}}, "tokenizer model 'llama'"),
+        ({"overrides": {"tokenizer.ggml.model": "t5"}}, "tokenizer model 't5'"),
     ],
 )
 def test_unsupported_tokenizer_raises(tmp_path, make_tiny_gguf, change, message):

@@ -156,6 +156,11 @@ def test_baton_generate_streams_the_services_completion(service, agg, capsys):
     args = ["generate", "--app", "agg", "--address", service["grpc"], "--max-tokens", "8"]
     assert main([*args, PROMPTS[0]]) == 0
     assert capsys.readouterr().out == agg.generate_unary(_greedy(PROMPTS[0], 8)).text + "\n"
+    # --model without --local names the model expected to be served: checked, not switched.
+    served = agg.model_info().model_id
+    assert main([*args, "--model", served.upper(), PROMPTS[0]]) == 0
+    assert main([*args, "--model", "gemma3-270m", PROMPTS[0]]) == 2
+    assert f"serves {served!r}" in capsys.readouterr().err
 
 
 def test_health_check_and_server_reflection(service):

@@ -28,6 +28,12 @@ log = logging.getLogger("baton")
 # serve_app.config.DType's values (tests/test_cli.py holds them equal), spelled out so
 # that building the parser imports neither pydantic, protobuf nor torch.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The bundled names are workers.model.BUNDLED_MODELS' (test_cli checks): spelled out here
+# because importing that face would load torch, and `baton --help` must stay instant.
+MODEL_HELP = (
+    "a bundled model (smollm2-135m-instruct, the default, or gemma3-270m: fetched and "
+    "converted on first use), a .gguf file or a Hugging Face model folder"
+)
 
 
 def _add_app_arg(p: argparse.ArgumentParser) -> None:
@@ -62,8 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default=None,
-        help="with --local: a local Hugging Face model folder, Llama family or Gemma 3 "
-        "(default: bundled SmolLM2-135M-Instruct)",
+        help=f"with --local: {MODEL_HELP}; without: the model the service must be serving",
     )
     gen.add_argument(
         "--dtype", choices=DTYPES, default=None, help="with --local: the engine's (default auto)"
@@ -83,7 +88,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Ray cluster to join ('auto', host:port); default RAY_ADDRESS, else a local head",
     )
-    serve.add_argument("--model", default=None, help="model folder (default: bundled SmolLM2)")
+    serve.add_argument("--model", default=None, help=MODEL_HELP)
     serve.add_argument("--mode", choices=["disaggregated", "aggregated"], default=None)
     for pool in ("prefill", "decode", "aggregated"):
         serve.add_argument(f"--{pool}-replicas", type=int, default=None)

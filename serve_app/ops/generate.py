@@ -57,10 +57,10 @@ def _write(text: str) -> None:
 def generate(args: argparse.Namespace) -> int:
     messages = _messages(args)
     if not args.local:
-        if args.model is not None or args.dtype is not None or args.speculative_tokens:
+        if args.dtype is not None or args.speculative_tokens:
             raise ValueError(
-                "--model, --dtype and --speculative-tokens need --local: the service runs "
-                "what it was deployed with"
+                "--dtype and --speculative-tokens need --local: the service runs what it was "
+                "deployed with"
             )
         return _generate_remote(args, messages)
     # Heavy imports wait until a command needs them, so `baton --help` is instant.
@@ -71,9 +71,9 @@ def generate(args: argparse.Namespace) -> int:
         SpeculativeConfig,
         default_budget_room,
     )
-    from workers.model import ensure_default_model
+    from workers.model import resolve_model
 
-    model = args.model or str(ensure_default_model())
+    model = str(resolve_model(args.model))
     log.info("loading %s", model)
     speculative = (
         SpeculativeConfig(num_tokens=args.speculative_tokens) if args.speculative_tokens else None
@@ -118,6 +118,17 @@ def _remote_request(args: argparse.Namespace, messages: list[dict] | None):
     )
 
 
+def _check_served_model(wanted: str, served: str) -> None:
+    """Without --local, --model names the model the caller expects the service to serve.
+    Compared without case: a bundled model is served under its folder's name
+    (SmolLM2-135M-Instruct for smollm2-135m-instruct)."""
+    if wanted.lower() != served.lower():
+        raise ValueError(
+            f"--model {wanted!r}: the service at this address serves {served!r}; drop "
+            "--model, or pass --local to run that model in this process"
+        )
+
+
 def _generate_remote(args: argparse.Namespace, messages: list[dict] | None) -> int:
     import grpc
 
@@ -129,6 +140,8 @@ def _generate_remote(args: argparse.Namespace, messages: list[dict] | None) -> i
     client_args = {"application": args.app} if args.app else {}
     with BatonClient(args.address, api_key=args.api_key, **client_args) as client:
         try:
+            if args.model is not None:
+                _check_served_model(args.model, client.model_info().model_id)
             for last in client.generate(request):
                 _write(last.text)
         except grpc.RpcError as e:

