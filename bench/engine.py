@@ -2,7 +2,9 @@
 
 Prints JSON lines: single-stream decode tokens/s (32-token prompt, 128 new
 tokens), aggregate tokens/s at 8 and 32 concurrent requests (128 new tokens
-each), TTFT of a 512-token prompt, and ratio.*.engine_over_hf for each. The single
+each), TTFT of a 512- and a 2,048-token prompt, the KV cache's bytes per token,
+and ratio.*.engine_over_hf for each. --model picks a bundled model (its GGUF is
+what transformers loads). The single
 stream is also measured with n-gram speculative decoding on both sides
 (`engine_ngram`: EngineConfig.speculative; `hf_ngram`: generate's prompt lookup
 with as many tokens), each against plain transformers and against the other.
@@ -11,7 +13,8 @@ median, since absolute speed drifts on a shared 2-core machine. Both run in
 --dtype (float32 by default; bfloat16 is the fast path on CPUs with AMX or
 AVX512-BF16) on --device (cpu by default, or cuda), which every line carries.
 
-    .venv/bin/python bench/engine.py [--rounds 2] [--threads 2] [--dtype float32] [--device cpu]
+    .venv/bin/python bench/engine.py [--model smollm2-135m-instruct|gemma3-270m] [--rounds 2]
+        [--threads 2] [--dtype float32] [--device cpu]
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from common import TOPICS, cpu_count, emit, git_commit, log, median, topic_promp
 from workers.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from workers.engine.llm_engine import LLMEngine  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
-from workers.model.model_cache import ensure_default_gguf, ensure_default_model  # noqa: E402
+from workers.model.bundled_model import BUNDLED_MODELS, DEFAULT_MODEL  # noqa: E402
+from workers.model.model_cache import ensure_gguf, ensure_model  # noqa: E402
 
 NEW_TOKENS = 128
 
@@ -80,6 +84,7 @@ def hf_run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(BUNDLED_MODELS), default=DEFAULT_MODEL)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=min(2, cpu_count()))
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -89,8 +94,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    model_dir = ensure_default_model()
-    gguf = ensure_default_gguf()
+    model_dir = ensure_model(BUNDLED_MODELS[args.model])
+    gguf = ensure_gguf(BUNDLED_MODELS[args.model])
     # Prefix caching off: rounds repeat the same prompts, and a cache hit would
     # measure the cache (bench/prefix_cache.py does), not the engine against HF.
     config = EngineConfig(
@@ -115,7 +120,7 @@ def main() -> None:
     tok = engine.tokenizer
     single = [topic_prompt(tok, TOPICS[0], 32)]
     batches = {c: [topic_prompt(tok, TOPICS[i], 32) for i in range(c)] for c in (8, 32)}
-    long_prompt = [topic_prompt(tok, TOPICS[1], 512)]
+    long_prompts = {n: [topic_prompt(tok, TOPICS[1], n)] for n in (512, 2048)}
 
     results: dict[str, dict[str, list[float]]] = {}
 
@@ -125,7 +130,7 @@ def main() -> None:
 
     # Warm-up at every shape measured: first calls allocate, fault in weights and (on
     # CUDA) pick kernels, which made a first 512-token prefill many times slower.
-    for prompts in (single, *batches.values(), long_prompt):
+    for prompts in (single, *batches.values(), *long_prompts.values()):
         engine_run(engine, prompts, 8)
         hf_run(hf, prompts, 8)
     engine_run(engine_ngram, single, 8)
@@ -139,8 +144,9 @@ def main() -> None:
         for c, prompts in batches.items():
             record(f"c{c}_tok_s", "engine", engine_run(engine, prompts, NEW_TOKENS)[0])
             record(f"c{c}_tok_s", "hf", hf_run(hf, prompts, NEW_TOKENS)[0])
-        record("ttft_512", "engine", engine_run(engine, long_prompt, 1)[1])
-        record("ttft_512", "hf", hf_run(hf, long_prompt, 1)[1])
+        for n, prompt in long_prompts.items():
+            record(f"ttft_{n}", "engine", engine_run(engine, prompt, 1)[1])
+            record(f"ttft_{n}", "hf", hf_run(hf, prompt, 1)[1])
 
     context = {
         "model": model_dir.name,
@@ -151,6 +157,8 @@ def main() -> None:
         "new_tokens": NEW_TOKENS,
         "git_commit": git_commit(),
     }
+    per_token = engine.kv_cache_bytes / (engine.kv.num_blocks * config.block_size)
+    emit("engine.kv_bytes_per_token", per_token, "B", **context)
     ratios = [("engine", "hf"), ("engine_ngram", "hf"), ("engine_ngram", "hf_ngram")]
     for name, by_system in results.items():
         unit = "s" if name.startswith("ttft") else "tok/s"

@@ -291,12 +291,16 @@ def test_an_unsupported_model_folder_is_refused_at_load(tmp_path):
         load_model(model_dir)
 
 
-def test_tensor_parallel_ranks_compute_the_single_rank_logits(tmp_path):
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+def test_tensor_parallel_ranks_compute_the_single_rank_logits(tmp_path, num_kv_heads):
     import torch.multiprocessing as mp
     from tiny_gemma3 import tp_rank_prefill_logits
 
-    # Two ranks of 2 query and 1 KV head each, every projection sharded.
-    model_dir = make_tiny_gemma3(tmp_path / "model", sliding_window=4, num_heads=4, num_kv_heads=2)
+    # Two ranks of 2 query heads each, every projection sharded; with one KV head (as
+    # Gemma 3 270M has) each rank holds it whole.
+    model_dir = make_tiny_gemma3(
+        tmp_path / "model", sliding_window=4, num_heads=4, num_kv_heads=num_kv_heads
+    )
     ids = torch.randint(3, 320, (40,), generator=torch.Generator().manual_seed(2))
     out = tmp_path / "logits.pt"
     args = (2, str(tmp_path / "init"), str(model_dir), ids.tolist(), str(out))

@@ -165,6 +165,29 @@ def test_tp_degrees_may_differ_between_prefill_and_decode(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_gemma3_one_kv_head_replicated_across_tp_ranks_hands_off(
+    ray_cluster, gemma3_dir, prefill_tp, decode_tp
+):
+    """Gemma 3 270M has one KV head: at TP 2 both ranks hold it, a handoff moves it once."""
+    single = LLMEngine(EngineConfig(model=str(gemma3_dir), num_threads=1))
+    prefill = LLMEngine(EngineConfig(model=str(gemma3_dir), tensor_parallel_size=prefill_tp))
+    decode = LLMEngine(EngineConfig(model=str(gemma3_dir), tensor_parallel_size=decode_tp))
+    tok = single.tokenizer
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    try:
+        for i, text in enumerate(["The capital of France is", "Once upon a time, " * 60]):
+            prompt = tok.encode(text)
+            expected = _single(single, prompt, params)
+            got = _handoff(prefill, decode, f"g{i}", prompt, params)
+            assert _tokens_of(got) == _tokens_of(expected)
+        _assert_all_free(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.slow
 def test_smollm2_prefill_tp3_decode_tp1_matches_one_engine(ray_cluster, smollm2_dir):
     single = LLMEngine(EngineConfig(model=str(smollm2_dir), num_threads=1))
     prefill = LLMEngine(EngineConfig(model=str(smollm2_dir), tensor_parallel_size=3))

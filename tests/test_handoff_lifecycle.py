@@ -91,14 +91,22 @@ def test_export_refuses_a_bad_skip(model_dir, skip):
         prefill.export_kv("r", skip_blocks=skip)
 
 
-@pytest.mark.parametrize("dst_tp", [0, 3, 1.0])
-def test_export_refuses_an_importer_tp_that_does_not_divide_the_kv_heads(model_dir, dst_tp):
+@pytest.mark.parametrize(
+    ("dst_tp", "message"),
+    [
+        (0, "dst_tp must be a TP degree"),
+        (1.0, "dst_tp must be a TP degree"),
+        (3, "dst_tp=3: the TP degree 3 neither divides the 2 KV heads nor is a multiple"),
+    ],
+)
+def test_export_refuses_an_importer_tp_that_cannot_hold_the_kv_heads(model_dir, dst_tp, message):
     prefill = _engine(model_dir)
     _prefill(prefill, "r", _tokens(2 * BLOCK + 3, seed=54))
-    # The tiny model has 2 KV heads.
-    with pytest.raises(ValueError, match="dst_tp must divide the model's 2 KV heads"):
+    # The tiny model has 2 KV heads: 1 and 2 split them, 4 replicates each on 2 ranks.
+    with pytest.raises(ValueError, match=message):
         prefill.export_kv("r", dst_tp=dst_tp)
-    prefill.export_kv("r", dst_tp=2)  # the handoff is still there to export
+    _, parts = prefill.export_kv("r", dst_tp=4)  # the handoff is still there to export
+    assert [p.tp_size for p in parts] == [1]
 
 
 def test_an_import_whose_transfer_fails_goes_on_by_recompute(model_dir, monkeypatch):

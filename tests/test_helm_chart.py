@@ -55,7 +55,15 @@ def test_lint_strict_is_clean(values):
         ),
         (
             {"mode": "aggregated", "aggregated": {"tensorParallelSize": 9}},
-            ["aggregated.tensorParallelSize=9", "valid degrees: 1, 3"],
+            ["aggregated.tensorParallelSize=9", "intermediateSize=1536", "valid degrees: 1, 3"],
+        ),
+        (
+            # Gemma 3 270M: one KV head, so 2 and 4 replicate it; 3 splits no head count.
+            {
+                "model": {"numAttentionHeads": 4, "numKeyValueHeads": 1, "intermediateSize": 2048},
+                "decode": {"tensorParallelSize": 3},
+            },
+            ["decode.tensorParallelSize=3", "valid degrees: 1, 2, 4"],
         ),
         (
             {"prefill": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},

@@ -99,8 +99,9 @@ def test_stats_track_requests_and_blocks(model_dir):
 
 
 def test_tp_degree_must_divide_the_heads(model_dir):
-    # The tiny model has 4 query heads and 2 KV heads: 1 and 2 divide both.
-    with pytest.raises(ValueError, match=r"valid degrees: \[1, 2\]"):
+    # The tiny model has 4 query heads and 2 KV heads: 1 and 2 divide both, 4 the query
+    # heads (each KV head then on two ranks).
+    with pytest.raises(ValueError, match=r"valid degrees: \[1, 2, 4\]"):
         _engine(model_dir, tensor_parallel_size=3)
 
 

@@ -42,5 +42,21 @@ def test_a_tp_degree_must_split_the_heads_and_the_mlp_width():
     config = ModelConfig.from_dict({**BASE, "num_key_value_heads": 4, "intermediate_size": 90})
     assert config.valid_tp_degrees() == [1, 2]
     config.check_tp_degree(2)
-    with pytest.raises(ValueError, match=r"decode.tp=4 .* MLP width 90; valid degrees: \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"decode.tp=4 .* MLP width 90.*valid degrees: \[1, 2\]"):
         config.check_tp_degree(4, "decode.tp")
+
+
+def test_a_tp_degree_past_the_kv_heads_replicates_them():
+    # One KV head: every degree splitting the 4 query heads works, each rank holding it.
+    one = ModelConfig.from_dict({**BASE, "num_key_value_heads": 1})
+    assert one.valid_tp_degrees() == [1, 2, 4]
+    assert [one.kv_heads_per_rank(d) for d in (1, 2, 4)] == [1, 1, 1]
+    # 6 query and 4 KV heads: 2 splits both; 3 and 6 neither divide 4 nor are multiples.
+    six = ModelConfig.from_dict(
+        {**BASE, "num_attention_heads": 6, "num_key_value_heads": 4, "intermediate_size": 96}
+    )
+    assert six.valid_tp_degrees() == [1, 2]
+    with pytest.raises(ValueError, match="neither divides nor is a multiple of its 4 KV heads"):
+        six.check_tp_degree(3)
+    two = ModelConfig.from_dict({**BASE, "num_key_value_heads": 2})
+    assert two.valid_tp_degrees() == [1, 2, 4] and two.kv_heads_per_rank(4) == 1

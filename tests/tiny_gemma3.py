@@ -80,7 +80,7 @@ def tp_rank_prefill_logits(
         model = load_model(model_dir, TPGroup(rank, world, dist.group.WORLD))
         n = len(ids)
         for attn in model.attention_layers():
-            assert attn.num_kv_heads * world == model.config.num_key_value_heads
+            assert attn.num_kv_heads == model.config.kv_heads_per_rank(world)
             shape = (attn.num_kv_heads, n, attn.head_dim)
             attn.bind_cache(torch.zeros(shape), torch.zeros(shape))
         meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n)])

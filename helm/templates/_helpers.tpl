@@ -64,10 +64,13 @@ message naming the value. Included once, from the RayService template.
 {{- if ne (mod $heads $kvHeads) 0 }}
 {{- fail (printf "model.numAttentionHeads (%d) must be a multiple of model.numKeyValueHeads (%d)" $heads $kvHeads) }}
 {{- end }}
-{{- /* Valid TP degrees: the common divisors of both head counts. */}}
+{{- $ffn := int .Values.model.intermediateSize }}
+{{- /* Valid TP degrees (workers/model/config.py, valid_tp_degrees): those dividing the
+     query heads and the MLP width that divide the KV heads or are a multiple of them
+     (each KV head then replicated). */}}
 {{- $valid := list }}
-{{- range $d := untilStep 1 (int (add $kvHeads 1)) 1 }}
-{{- if and (eq (mod $heads $d) 0) (eq (mod $kvHeads $d) 0) }}{{ $valid = append $valid $d }}{{ end }}
+{{- range $d := untilStep 1 (int (add $heads 1)) 1 }}
+{{- if and (eq (mod $heads $d) 0) (eq (mod $ffn $d) 0) (or (eq (mod $kvHeads $d) 0) (eq (mod $d $kvHeads) 0)) }}{{ $valid = append $valid $d }}{{ end }}
 {{- end }}
 {{- include "baton.validateRouter" . }}
 {{- $seen := dict }}
@@ -75,7 +78,7 @@ message naming the value. Included once, from the RayService template.
 {{- $pool := index $.Values $role }}
 {{- $tp := int $pool.tensorParallelSize }}
 {{- if not (has $tp $valid) }}
-{{- fail (printf "%s.tensorParallelSize=%d does not divide the model's heads (model.numAttentionHeads=%d, model.numKeyValueHeads=%d); valid degrees: %s" $role $tp $heads $kvHeads (join ", " $valid)) }}
+{{- fail (printf "%s.tensorParallelSize=%d does not fit the model's heads and MLP (model.numAttentionHeads=%d, model.numKeyValueHeads=%d, model.intermediateSize=%d); valid degrees: %s" $role $tp $heads $kvHeads $ffn (join ", " $valid)) }}
 {{- end }}
 {{- if lt (int $pool.replica.maxNumBatchedTokens) (int $pool.replica.maxNumSeqs) }}
 {{- fail (printf "%s.replica.maxNumBatchedTokens (%d) must be >= %s.replica.maxNumSeqs (%d): each running sequence takes a token of a step's budget" $role (int $pool.replica.maxNumBatchedTokens) $role (int $pool.replica.maxNumSeqs)) }}

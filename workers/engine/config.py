@@ -18,7 +18,7 @@ def kv_cache_bytes_per_block(
     cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
 ) -> int:
     """One KV block's bytes on one device (a TP rank holds its share of the KV heads)."""
-    per_token = 2 * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * dtype.itemsize
+    per_token = 2 * cfg.kv_heads_per_rank(tp_size) * cfg.head_dim * dtype.itemsize
     return per_token * block_size * cfg.num_hidden_layers
 
 

@@ -39,7 +39,7 @@ from workers.engine.speculative import NgramSpeculator, sample_with_drafts
 from workers.errors import InvalidRequestError
 from workers.kv.layout import KVLayout
 from workers.kv.transport import KVPart
-from workers.model.config import ModelConfig
+from workers.model.config import ModelConfig, kv_shards
 from workers.model.tokenizer import Tokenizer, eos_token_ids
 from workers.runner.model_runner import ModelRunner
 from workers.runner.runner_spec import RunnerSpec
@@ -96,11 +96,13 @@ class LLMEngine:
         else:
             self.runner = TPWorkerGroup(tp, spec, config.num_threads or 1, config.tp_placement)
         layout = KVLayout.of(self.model_config, config.block_size)
+        # A handoff moves one part per KV-head share (ranks replicating a head share one).
+        kv_size = kv_shards(self.model_config.num_key_value_heads, tp)
         self.handoffs = PrefillExports(
-            self.kv, self.runner, layout, tp, config.handoff_timeout_s, config.kv_transport
+            self.kv, self.runner, layout, kv_size, config.handoff_timeout_s, config.kv_transport
         )
         self.imports = DecodeImports(
-            self.kv, self.scheduler, self.runner, layout, tp, self.model_config.vocab_size
+            self.kv, self.scheduler, self.runner, layout, kv_size, self.model_config.vocab_size
         )
         # First-token outputs of imported requests, handed out by the next step.
         self._outbox: list[RequestOutput] = []

@@ -17,8 +17,10 @@ class KVCacheHolder(Protocol):
 
     kv_cache: torch.Tensor  # [layers, k/v, kv heads, slots, head dim]
     block_size: int
-    tp_rank: int
-    tp_size: int
+    # The runner's share of the KV heads, of how many (its TP rank and degree unless
+    # ranks replicate heads); KVBlocks carry them as their tp_rank / tp_size.
+    kv_rank: int
+    kv_size: int
 
 
 def _blocked(runner: KVCacheHolder) -> torch.Tensor:
@@ -43,15 +45,15 @@ def export_blocks(
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
     with one_thread():
         data = cache.index_select(3, ids)
-    return KVBlocks(data, runner.tp_rank, runner.tp_size, start_block)
+    return KVBlocks(data, runner.kv_rank, runner.kv_size, start_block)
 
 
 def import_blocks(runner: KVCacheHolder, block_ids: Sequence[int], kv: KVBlocks) -> None:
     """Writes `kv` into blocks `block_ids` of `runner`'s cache, converting device and dtype."""
-    if (kv.tp_rank, kv.tp_size) != (runner.tp_rank, runner.tp_size):
+    if (kv.tp_rank, kv.tp_size) != (runner.kv_rank, runner.kv_size):
         raise ValueError(
             f"KV of TP rank {kv.tp_rank} of {kv.tp_size} cannot go to rank "
-            f"{runner.tp_rank} of {runner.tp_size}; take its share with transport.materialize"
+            f"{runner.kv_rank} of {runner.kv_size}; take its share with transport.materialize"
         )
     cache = _blocked(runner)
     expected = (*cache.shape[:3], len(block_ids), *cache.shape[4:])

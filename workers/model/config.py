@@ -7,6 +7,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+
+def kv_shards(num_kv_heads: int, tp: int) -> int:
+    """How many distinct KV-head shares `tp` ranks hold: `tp` where it divides the KV
+    heads, the heads' count where `tp` is a multiple of it (each head replicated)."""
+    if num_kv_heads % tp == 0:
+        return tp
+    if tp % num_kv_heads == 0:
+        return num_kv_heads
+    raise ValueError(
+        f"the TP degree {tp} neither divides the {num_kv_heads} KV heads nor is a multiple of them"
+    )
+
+
 # model_type -> the family (a module of workers/model/models/) that runs it.
 MODEL_FAMILIES = {
     "llama": "llama",
@@ -115,10 +128,21 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     def valid_tp_degrees(self) -> list[int]:
-        """TP degrees that split the query heads, the KV heads and the MLP's intermediate
-        width evenly (column-parallel layers shard each)."""
-        sizes = (self.num_attention_heads, self.num_key_value_heads, self.intermediate_size)
-        return [d for d in range(1, self.num_key_value_heads + 1) if all(n % d == 0 for n in sizes)]
+        """TP degrees that split the query heads and the MLP's intermediate width evenly
+        (column-parallel layers shard each) and either divide the KV heads or are a
+        multiple of them (each KV head then replicated; parallel.kv_shards)."""
+        kv = self.num_key_value_heads
+        return [
+            d
+            for d in range(1, self.num_attention_heads + 1)
+            if self.num_attention_heads % d == 0
+            and self.intermediate_size % d == 0
+            and (kv % d == 0 or d % kv == 0)
+        ]
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads each of `tp` ranks holds in its cache."""
+        return self.num_key_value_heads // kv_shards(self.num_key_value_heads, tp)
 
     def check_tp_degree(self, tp: int, field: str = "tensor_parallel_size") -> None:
         """ValueError, naming `field` and the valid degrees, unless `tp` splits the heads
@@ -126,8 +150,9 @@ class ModelConfig:
         if tp not in self.valid_tp_degrees():
             raise ValueError(
                 f"{field}={tp} does not divide the model's {self.num_attention_heads} "
-                f"attention heads, {self.num_key_value_heads} KV heads and MLP width "
-                f"{self.intermediate_size}; valid degrees: {self.valid_tp_degrees()}"
+                f"attention heads and MLP width {self.intermediate_size}, or neither divides "
+                f"nor is a multiple of its {self.num_key_value_heads} KV heads; valid "
+                f"degrees: {self.valid_tp_degrees()}"
             )
 
 

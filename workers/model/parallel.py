@@ -3,6 +3,10 @@
 Each layer owns only its rank's shard and loads that shard straight from a
 safetensors slice, so no rank ever holds the full weight. With `TPGroup.single()`
 every collective is a no-op and the layers are plain dense layers.
+
+KV heads split evenly where the TP degree divides them; a degree that is a multiple
+of their count instead replicates each head on degree / heads ranks (as vLLM does),
+so a model with one KV head still runs at TP 2. `kv_shards` is that rule.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from workers.model import kernels
 from workers.model.block_matmul import BLOCK_SIZE, MAX_ROWS, BlockSource, WeightBlocks
+from workers.model.config import kv_shards
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,17 @@ class TPGroup:
             raise ValueError(f"{what}={total} is not divisible by the TP degree {self.size}")
         per_rank = total // self.size
         return self.rank * per_rank, per_rank
+
+    def kv_shard(self, num_kv_heads: int) -> tuple[int, int]:
+        """(this rank's KV shard, shards): which share of the KV heads it holds."""
+        shards = kv_shards(num_kv_heads, self.size)
+        return self.rank // (self.size // shards), shards
+
+    def split_heads(self, num_heads: int, head_dim: int) -> tuple[int, int]:
+        """(start, length) in features of this rank's KV heads (replicated by kv_shards)."""
+        shard, shards = self.kv_shard(num_heads)
+        per_shard = num_heads // shards * head_dim
+        return shard * per_shard, per_shard
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -198,7 +214,8 @@ class ColumnParallelLinear(PackableLinear):
     """Output features split across ranks; the input is replicated.
 
     `shard_sizes` lists the global output widths of the checkpoint tensors packed
-    into this layer (q/k/v or gate/up), so each rank takes its slice of each part.
+    into this layer (q/k/v or gate/up), so each rank takes its slice of each part:
+    an even split, or the (start, length) given in `ranks_rows` (replicated KV heads).
     """
 
     def __init__(
@@ -208,14 +225,18 @@ class ColumnParallelLinear(PackableLinear):
         tp: TPGroup,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
+        ranks_rows: dict[str, tuple[int, int]] | None = None,
     ):
         super().__init__()
         self.tp = tp
+        self.starts = {}
         self.local_sizes = {}
         self.offsets = {}
         offset = 0
         for shard_id, size in shard_sizes.items():
-            _, local = tp.split(size, f"output features of {shard_id}")
+            rows = (ranks_rows or {}).get(shard_id)
+            start, local = rows or tp.split(size, f"output features of {shard_id}")
+            self.starts[shard_id] = start
             self.local_sizes[shard_id] = local
             self.offsets[shard_id] = offset
             offset += local
@@ -228,8 +249,7 @@ class ColumnParallelLinear(PackableLinear):
         )
 
     def load_weight(self, param_name: str, src: TensorSlice, shard_id: str) -> None:
-        local = self.local_sizes[shard_id]
-        start = self.tp.rank * local
+        local, start = self.local_sizes[shard_id], self.starts[shard_id]
         dst = getattr(self, param_name).data
         copy_weight(
             dst[self.offsets[shard_id] : self.offsets[shard_id] + local], src[start : start + local]
@@ -238,8 +258,7 @@ class ColumnParallelLinear(PackableLinear):
     def load_blocks(self, src: BlockSource, shard_id: str) -> None:
         """Takes this rank's rows of one part's blocks; the layer uses blocks once every
         part has some, all of one kind."""
-        local = self.local_sizes[shard_id]
-        start = self.tp.rank * local
+        local, start = self.local_sizes[shard_id], self.starts[shard_id]
         self._block_parts[shard_id] = src.read(slice(start, start + local))
         if len(self._block_parts) < len(self.local_sizes):
             return

@@ -17,7 +17,9 @@ class QKVAttention(nn.Module):
         super().__init__()
         d = cfg.head_dim
         _, self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
-        _, self.num_kv_heads = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
+        # This rank's KV heads: its even share, or one head it shares with other ranks.
+        kv_rows = tp.split_heads(cfg.num_key_value_heads, d)
+        self.num_kv_heads = kv_rows[1] // d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.head_dim = d
         self.qkv_proj = ColumnParallelLinear(
@@ -30,6 +32,7 @@ class QKVAttention(nn.Module):
             tp,
             bias=cfg.qkv_bias,
             dtype=dtype,
+            ranks_rows={"k": kv_rows, "v": kv_rows},
         )
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, tp, bias=cfg.o_proj_bias, dtype=dtype

@@ -42,6 +42,11 @@ class ModelRunner:
         self.block_size = block_size
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.model = load_model(model_dir, tp, max_model_len, dtype, self.device)
+        # Which share of the KV heads this rank holds, of how many: a handoff moves one
+        # part per share (ranks replicating a head hold the same share).
+        self.kv_rank, self.kv_size = (tp or TPGroup.single()).kv_shard(
+            self.model.config.num_key_value_heads
+        )
         self.num_blocks = num_blocks
         layers = self.model.attention_layers()
         attn = layers[0]
@@ -162,8 +167,8 @@ class ModelRunner:
         (a list, like a TPWorkerGroup's one part per rank), cut for an importer of TP
         degree `dst_tp` if given (see workers/kv/transport.py, head_cuts)."""
         kv = cache_copy.export_blocks(self, block_ids, start_block)
-        heads = kv.data.shape[2] * self.tp_size
-        cuts = kv_transport.head_cuts(heads, self.tp_rank, self.tp_size, dst_tp)
+        heads = kv.data.shape[2] * self.kv_size
+        cuts = kv_transport.head_cuts(heads, self.kv_rank, self.kv_size, dst_tp)
         return [kv_transport.publish(kv, transport, cuts)]
 
     def live_exports(self) -> tuple[int, int]:
@@ -180,7 +185,7 @@ class ModelRunner:
     def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
         """Writes this rank's KV heads of an export (every source rank's part, in rank
         order), from request block `from_block` on, into `block_ids`."""
-        kv = kv_transport.materialize(parts, self.tp_rank, self.tp_size, from_block, self.device)
+        kv = kv_transport.materialize(parts, self.kv_rank, self.kv_size, from_block, self.device)
         cache_copy.import_blocks(self, block_ids, kv)
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from dataclasses import replace
 from workers.errors import EngineDeadError
 from workers.kv import transport as kv_transport
 from workers.kv.transport import KVPart, KVRef, KVTransferError
+from workers.model.config import ModelConfig, kv_shards
 from workers.runner.runner_spec import RunnerSpec
 from workers.runner.step_io import StepInput, StepOutput
 from workers.runner.tp_worker import TPWorker
@@ -60,6 +61,9 @@ class TPWorkerGroup:
         self._ray = ray
         self._remove_pg = remove_placement_group
         self.tp_size = tp_size
+        # Ranks holding distinct KV-head shares: all of them, unless heads are replicated.
+        num_kv_heads = ModelConfig.from_pretrained(spec.model_dir).num_key_value_heads
+        self.kv_size = kv_shards(num_kv_heads, tp_size)
         gpu = spec.device.startswith("cuda")
         bundle = rank_bundle(gpu)
         if placement == "own":
@@ -114,12 +118,14 @@ class TPWorkerGroup:
         transport: str = "object_store",
         dst_tp: int | None = None,
     ) -> list[KVPart]:
-        """Every rank's slice of the blocks, in rank order, as `transport` carries it (cut
-        for an importer of TP degree `dst_tp`, if given)."""
+        """Each KV-head share's slice of the blocks, in share order, as `transport`
+        carries it (cut for an importer of `dst_tp` shares, if given): every rank's, or,
+        where ranks replicate heads, the first of each share's ranks."""
+        step = self.tp_size // self.kv_size
         return self._gather(
             [
                 w.export_blocks.remote(block_ids, start_block, transport, dst_tp)
-                for w in self._ranks()
+                for w in self._ranks()[::step]
             ]
         )
 
@@ -177,8 +183,9 @@ class TPWorkerGroup:
             self._gather([w.import_staged.remote(block_ids, key, from_block) for w in ranks])
             return
         local = kv_transport.fetch_all(parts, "cpu")  # to the ranks through Ray's object store
+        step = self.tp_size // self.kv_size
         shares = [
-            kv_transport.materialize(local, rank, self.tp_size, from_block)
+            kv_transport.materialize(local, rank // step, self.kv_size, from_block)
             for rank in range(self.tp_size)
         ]
         self._gather(

@@ -103,18 +103,23 @@ class TPWorker:
         a failed transfer is the request's problem, never a reason to fail the rank."""
         try:
             device = self.runner.device if self.runner is not None else "cpu"
-            share = kv_transport.materialize(
-                parts, self.rank, self.world_size, parts[0].start_block, device
-            )
+            kv_rank, kv_size = self._kv_share()
+            share = kv_transport.materialize(parts, kv_rank, kv_size, parts[0].start_block, device)
             share = replace(share, data=share.data.contiguous())
         except (ValueError, RuntimeError) as e:  # KVTransferError and OOM are RuntimeErrors
             return f"TP rank {self.rank}: {e}"
         self._staged[key] = share
         self.num_pulls += 1
-        sources = kv_transport.head_ranges(parts, self.rank, self.world_size)
+        sources = kv_transport.head_ranges(parts, kv_rank, kv_size)
         moved = (kv_transport.fetched_bytes(parts[r], a, b) for r, a, b in sources)
         self.num_pulled_bytes += sum(moved)
         return None
+
+    def _kv_share(self) -> tuple[int, int]:
+        """(this rank's share of the KV heads, shares); from the pull thread too."""
+        if self.runner is None:
+            raise RuntimeError(f"TP rank {self.rank} was not started")
+        return self.runner.kv_rank, self.runner.kv_size
 
     def drop_staged(self, key: str) -> None:
         self._staged.pop(key, None)

@@ -24,7 +24,9 @@ class KVHandle:
     request_id: str
     model_id: str
     layout: KVLayout
-    tp_size: int  # the prefill engine's TP degree: one KVBlocks per rank
+    # The prefill engine's KV-head shares: one KVBlocks each. Its TP degree, unless
+    # its ranks replicate KV heads (then the heads' count: workers.model.config.kv_shards).
+    tp_size: int
     num_tokens: int
     block_hashes: tuple[BlockHash, ...]
     first_token: int

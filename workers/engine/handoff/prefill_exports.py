@@ -13,6 +13,7 @@ from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.sequence import Sequence
 from workers.kv.layout import KVLayout
 from workers.kv.transport import KVPart, check_transport
+from workers.model.config import kv_shards
 from workers.runner.runner import Runner
 
 
@@ -100,10 +101,14 @@ class PrefillExports:
                 f"got {skip_blocks!r}"
             )
         heads = self.layout.num_kv_heads
-        if dst_tp is not None and not (
-            isinstance(dst_tp, int) and dst_tp >= 1 and heads % dst_tp == 0
-        ):
-            raise ValueError(f"dst_tp must divide the model's {heads} KV heads, got {dst_tp!r}")
+        if dst_tp is not None:
+            if not (isinstance(dst_tp, int) and dst_tp >= 1):
+                raise ValueError(f"dst_tp must be a TP degree (1 or more), got {dst_tp!r}")
+            try:
+                # Cut for the importer's KV-head shares, not its ranks (replicas share).
+                dst_tp = kv_shards(heads, dst_tp)
+            except ValueError as e:
+                raise ValueError(f"dst_tp={dst_tp}: {e}") from None
         block_ids = held.seq.block_table[skip_blocks : held.handle.num_blocks]
         start = time.perf_counter()
         parts = self.runner.export_blocks(
