@@ -36,7 +36,7 @@ def test_a_tp_degree_that_does_not_divide_the_heads_is_refused_naming_the_pool(m
     validate(AppConfig(model=str(model_dir), prefill=PoolConfig(tensor_parallel_size=3)))
     bad = AppConfig(model=str(model_dir), decode=PoolConfig(tensor_parallel_size=2))
     with pytest.raises(
-        ValueError, match=r"decode.tensor_parallel_size=2 .* valid degrees: \[1, 3\]"
+        ValueError, match=r"decode.tensor_parallel_size=2 .* valid degrees: \[1, 3, 6\]"
     ):
         build_app(bad)
 
