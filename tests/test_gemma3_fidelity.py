@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fidelity_helpers import PLAIN, last_position_logits
 
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
-from workers.runner.model_runner import ModelRunner
-from workers.runner.step_io import SeqChunk, StepInput
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
-PLAIN = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "Les mathématiques sont la science qui étudie",
-    "日本の首都は東京です。東京は",
-    "Emoji check 🙂🚀: the rocket",
-    "SELECT name, COUNT(*) FROM users WHERE",
-    "1, 2, 3, 5, 8, 13, 21,",
-]
 HISTORY = (
     "The history of computing is a story of people and machines. Charles Babbage designed "
     "the Analytical Engine in the 1830s, and Ada Lovelace wrote what many call the first "
@@ -89,13 +78,8 @@ def test_greedy_tokens_match_transformers(engine, prompts, gemma3_reference):
 
 
 def test_last_position_logits_match_transformers(gemma3_dir, prompts, gemma3_reference):
-    longest = max(len(p) for p in prompts)
-    runner = ModelRunner(
-        gemma3_dir, num_blocks=-(-longest // 16), block_size=16, max_model_len=2048
-    )
-    for prompt in prompts:
-        table = list(range(-(-len(prompt) // 16)))
-        ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)])).logits[0]
+    ours_all = last_position_logits(gemma3_dir, prompts, max_model_len=2048)
+    for prompt, ours in zip(prompts, ours_all, strict=True):
         with torch.inference_mode():
             expected = gemma3_reference(torch.tensor([prompt])).logits[0, -1]
         assert (ours - expected).abs().max().item() < 2e-3 * expected.abs().max().item()

@@ -11,26 +11,15 @@ import copy
 
 import pytest
 import torch
+from fidelity_helpers import PLAIN, last_position_logits
 
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
-from workers.runner.model_runner import ModelRunner
-from workers.runner.step_io import SeqChunk, StepInput
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 64
-PLAIN = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "Les mathématiques sont la science qui étudie",
-    "日本の首都は東京です。東京は",
-    "Emoji check 🙂🚀: the rocket",
-    "SELECT name, COUNT(*) FROM users WHERE",
-    "1, 2, 3, 5, 8, 13, 21,",
-]
 CHATS = [
     [{"role": "user", "content": "What is the boiling point of water?"}],
     [
@@ -85,13 +74,8 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 def test_last_position_logits_match_transformers(smollm2_dir, prompts, smollm2_reference):
-    longest = max(len(p) for p in prompts)
-    runner = ModelRunner(
-        smollm2_dir, num_blocks=-(-longest // 16), block_size=16, max_model_len=1024
-    )
-    for prompt in prompts:
-        table = list(range(-(-len(prompt) // 16)))
-        ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)])).logits[0]
+    ours_all = last_position_logits(smollm2_dir, prompts, max_model_len=1024)
+    for prompt, ours in zip(prompts, ours_all, strict=True):
         with torch.inference_mode():
             expected = smollm2_reference(torch.tensor([prompt])).logits[0, -1]
         assert (ours - expected).abs().max().item() < 1e-3
@@ -151,18 +135,9 @@ def test_bfloat16_errs_about_as_much_as_transformers_own_bfloat16(
     # Cast from the float32 reference: what loading the GGUF at bfloat16 gives, without
     # dequantizing it again.
     theirs16 = copy.deepcopy(smollm2_reference).to(torch.bfloat16)
-    longest = max(len(p) for p in prompts)
-    runner = ModelRunner(
-        smollm2_dir,
-        num_blocks=-(-longest // 16),
-        block_size=16,
-        max_model_len=1024,
-        dtype=torch.bfloat16,
-    )
+    ours_all = last_position_logits(smollm2_dir, prompts, 1024, torch.bfloat16)
     ours_err, theirs_err, same_top = 0.0, 0.0, 0
-    for prompt in prompts:
-        table = list(range(-(-len(prompt) // 16)))
-        ours = runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)])).logits[0]
+    for prompt, ours in zip(prompts, ours_all, strict=True):
         with torch.inference_mode():
             expected = smollm2_reference(torch.tensor([prompt])).logits[0, -1]
             theirs = theirs16(torch.tensor([prompt])).logits[0, -1].float()
