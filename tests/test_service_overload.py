@@ -41,9 +41,13 @@ def small(ray_cluster, smollm2_dir, serve_ports):
 
 
 def _stats() -> dict:
-    # From the status board: a call to a full replica would wait for a slot itself.
-    (snapshot,) = [s for s in _snapshots() if s["app"] == APP]
-    return snapshot
+    # From the status board: a call to a full replica would wait for a slot itself. The
+    # replica posts with Serve's routing-stats calls, which a busy 2-core machine can
+    # leave a post older than the board keeps for a moment: wait for a fresh one.
+    def fresh() -> dict | None:
+        return next((s for s in _snapshots() if s["app"] == APP), None)
+
+    return wait_for(fresh, f"a status post of {APP!r}", timeout_s=60.0)
 
 
 def _long(prompt: str):
