@@ -42,3 +42,22 @@ def test_rope_rotates_each_half_split_pair_by_its_angle(head_dim):
     )
     assert got.shape == qk.shape and got.is_contiguous()
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [256, 48])
+def test_tables_grow_with_the_positions_seen_and_keep_the_whole_tables_floats(head_dim):
+    rotary = RotaryEmbedding(head_dim, 20_000, 1_000_000.0)
+    assert rotary.cos.shape[0] == 4096  # one chunk, not 20k rows
+    rotary.tables(torch.tensor([5, 4095]))
+    assert rotary.cos.shape[0] == 4096
+    late = torch.tensor([9000, 12, 19_999])
+    cos, sin = rotary.tables(late)
+    assert rotary.cos.shape[0] == 20_000  # chunks up to the largest position, capped
+    # The rows a table built whole at once holds, to the bit.
+    freqs = torch.outer(torch.arange(20_000, dtype=torch.float32), rotary.inv_freq)
+    whole_cos = torch.cat((freqs.cos(), freqs.cos()), -1)
+    whole_sin = torch.cat((-freqs.sin(), freqs.sin()), -1)
+    assert torch.equal(rotary.cos, whole_cos) and torch.equal(rotary.sin, whole_sin)
+    assert torch.equal(cos[:, 0], whole_cos[late]) and torch.equal(sin[:, 0], whole_sin[late])
+    with pytest.raises(RuntimeError, match="past 20000"):
+        rotary.tables(torch.tensor([20_000]))

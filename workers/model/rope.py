@@ -33,12 +33,22 @@ def rope_inv_freq(
     return torch.where(in_band, smoothed, scaled)
 
 
+# CPU tables grow in chunks of this many positions as longer sequences arrive: a
+# 32k-context model serving short prompts holds 4 MB a table, not 64. A chunk's floats
+# are those of the same rows of a whole table (its row offset keeps every element in the
+# same vector lane, and its length leaves no scalar tail).
+_CHUNK_POSITIONS = 4096
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to `max_positions`, over the full head dim.
+    """cos/sin tables for positions up to `max_positions`, over the full head dim.
 
     Rotating the half-split pair (x1, x2) is x * cos + swap(x) * sin with
     swap(x) = (x2, x1) and sin signed (-sin, +sin), so a step needs one gather
     of the tables, shared by all layers, and one pass per layer (`apply_rope`).
+    On CPU the tables cover the positions seen so far, grown a chunk at a time; on
+    other devices they are whole from the start (finding a step's largest position
+    there would wait for the device).
     """
 
     def __init__(
@@ -50,15 +60,35 @@ class RotaryEmbedding(nn.Module):
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("cos", torch.cat((cos, cos), -1).to(dtype), persistent=False)
-        self.register_buffer("sin", torch.cat((-sin, sin), -1).to(dtype), persistent=False)
+        self.max_positions = max_positions
+        self.dtype = dtype
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.register_buffer("cos", torch.empty(0, head_dim, dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(0, head_dim, dtype=dtype), persistent=False)
+        grows = self.inv_freq.device.type == "cpu"
+        self._grow(min(_CHUNK_POSITIONS, max_positions) if grows else max_positions)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) for `positions`, shaped [T, 1, head_dim] to broadcast over heads."""
+        if positions.device.type == "cpu" and positions.numel():
+            needed = int(positions.max()) + 1
+            if needed > self.cos.shape[0]:
+                if needed > self.max_positions:
+                    raise RuntimeError(f"position {needed - 1} is past {self.max_positions}")
+                self._grow(
+                    min(-(-needed // _CHUNK_POSITIONS) * _CHUNK_POSITIONS, self.max_positions)
+                )
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def _grow(self, positions: int) -> None:
+        """Extends the tables to `positions` rows."""
+        start = self.cos.shape[0]
+        device = self.inv_freq.device
+        rows = torch.arange(start, positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(rows, self.inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos = torch.cat([self.cos, torch.cat((cos, cos), -1).to(self.dtype)])
+        self.sin = torch.cat([self.sin, torch.cat((-sin, sin), -1).to(self.dtype)])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
