@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import typing
+from pathlib import Path
 
 import pytest
 from tiny_model import make_tiny_model
@@ -185,3 +186,18 @@ def test_serve_logs_each_deployments_replicas_while_it_waits(monkeypatch, caplog
         "Router 1 starting; PrefillServer 1 starting",  # once: it did not change
         "Router 1 running; PrefillServer 1 starting",
     ]
+
+
+def test_fetch_converts_what_it_is_given_and_refuses_unknown_models_first(
+    tmp_path, make_tiny_gguf, monkeypatch, capsys
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    make_tiny_gguf(gguf)
+    assert main(["fetch", str(gguf), "no-such-model"]) == 2
+    assert "smollm2-135m-instruct, gemma3-270m" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()  # nothing fetched before the names checked
+    assert main(["fetch", str(gguf)]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert folder.parent == tmp_path / "cache" / "baton" / "models" / "gguf"
+    assert (folder / "config.json").is_file()

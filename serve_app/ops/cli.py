@@ -149,6 +149,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_app_arg(stop)
 
+    fetch = sub.add_parser(
+        "fetch",
+        help="fetch and convert models now, printing each folder (an image's build step)",
+    )
+    fetch.add_argument("models", nargs="*", default=["default"], help=MODEL_HELP)
+
     drain = sub.add_parser(
         "drain",
         help="drain this Ray node: Serve moves its replicas away, letting their streams "
@@ -227,6 +233,16 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if report["status"] == "RUNNING" else 1
 
 
+def _fetch(args: argparse.Namespace) -> int:
+    from workers.model import check_model_source, resolve_model
+
+    for model in args.models:  # all named well before any download starts
+        check_model_source(model)
+    for model in args.models:
+        print(resolve_model(model))
+    return 0
+
+
 def _stop(args: argparse.Namespace) -> int:
     from serve_app.ops import service_ops
 
@@ -267,6 +283,7 @@ _COMMANDS = {
     "status": _status,
     "stop": _stop,
     "drain": _drain,
+    "fetch": _fetch,
 }
 
 
