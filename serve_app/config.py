@@ -239,6 +239,11 @@ class AppConfig(_Frozen):
 
         return resolve_model(self.model)
 
+    def served_name(self, model_dir: Path) -> str:
+        """The model's name to clients and in metrics (`model_name`): `served_model_name`,
+        else the folder's (a bundled model's: its name)."""
+        return self.served_model_name or model_dir.name
+
     def pools(self) -> dict[str, PoolConfig]:
         """The pools this mode runs, by role."""
         if self.mode == "aggregated":

@@ -61,9 +61,11 @@ class EngineServer:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.app_name = context.app_name
-        self.metrics = ReplicaMetrics(context.app_name, role, self.replica_id)
         pool = config.pools()[role]
         model_dir = config.model_dir()
+        self.metrics = ReplicaMetrics(
+            context.app_name, role, self.replica_id, config.served_name(model_dir)
+        )
         engine_config = config.engine_config(pool, str(model_dir), model_identity(model_dir))
         # The one the application's routers ask: its own unless the config names one.
         self.registry_config = config.prefix_registry(context.app_name)

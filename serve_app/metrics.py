@@ -1,12 +1,19 @@
 """Baton's Prometheus metrics, recorded through Ray's metrics API.
 
 Ray exports them on every node's metrics endpoint (the one Prometheus already scrapes
-for Ray), with Ray's `ray_` prefix: `baton_time_to_first_token_seconds` is scraped as
-`ray_baton_time_to_first_token_seconds`. The router records what clients see (TTFT,
-inter-token latency, requests by finish reason and status); engine replicas record
-their pool's state (running/waiting requests, KV usage, prefix hit rate), the KV
-handoff (bytes, seconds), the prompts decode prefilled itself by choice and the prompt
-tokens recomputed because a handoff failed.
+for Ray), with Ray's `ray_` prefix. What every inference server measures carries vLLM's
+names, as Ray Serve LLM exports them (vLLM's `vllm:` written `vllm_`, since Ray refuses
+`:`), and a `model_name` label, so the dashboards built for them read Baton unchanged:
+`vllm_time_to_first_token_seconds` is scraped as `ray_vllm_time_to_first_token_seconds`.
+What is Baton's own (requests by Baton's statuses, the KV handoff, local prefills,
+recomputed prompts, speculation, GPUs) is `baton_*` beside them.
+
+The router records what clients see (TTFT, inter-token and end-to-end latency, each
+request's prompt and output tokens); engine replicas record their pool's state
+(running/waiting requests, KV usage, prefix-cache queries and hits, preemptions), the
+KV handoff (bytes, seconds), the prompts decode prefilled itself by choice and the
+prompt tokens recomputed because a handoff failed. `SERIES` lists every series by the
+name Ray is given and its kind (tests check the dashboard against it).
 Ray exports a counter from its first increment: until a handoff fails, the recompute
 series is absent, which Prometheus reads as zero.
 """
@@ -24,34 +31,86 @@ from serve_app.gpu_telemetry import GpuReport
 from workers.engine import EngineStats, RequestOutput
 
 _LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+_E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
 _ITL_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0]
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000]
+
+# name given to Ray -> kind: every series this module records.
+SERIES = {
+    "vllm_time_to_first_token_seconds": "histogram",
+    "vllm_inter_token_latency_seconds": "histogram",
+    "vllm_e2e_request_latency_seconds": "histogram",
+    "vllm_request_prompt_tokens": "histogram",
+    "vllm_request_generation_tokens": "histogram",
+    "vllm_request_success_total": "counter",
+    "vllm_prompt_tokens_total": "counter",
+    "vllm_generation_tokens_total": "counter",
+    "baton_requests_total": "counter",
+    "vllm_num_requests_running": "gauge",
+    "vllm_num_requests_waiting": "gauge",
+    "vllm_kv_cache_usage_perc": "gauge",
+    "vllm_prefix_cache_queries_total": "counter",
+    "vllm_prefix_cache_hits_total": "counter",
+    "vllm_num_preemptions_total": "counter",
+    "baton_speculative_acceptance_ratio": "gauge",
+    "baton_kv_handoff_bytes_total": "counter",
+    "baton_kv_handoff_seconds": "histogram",
+    "baton_handoff_recomputed_prompt_tokens_total": "counter",
+    "baton_local_prefills_total": "counter",
+    "baton_gpu_memory_used_bytes": "gauge",
+    "baton_gpu_memory_total_bytes": "gauge",
+    "baton_gpu_utilization_ratio": "gauge",
+}
 
 
 class RouterMetrics:
-    def __init__(self, app: str):
-        self._tags = {"app": app}
-        keys = ("app", "api")
+    def __init__(self, app: str, model_name: str):
+        self._tags = {"app": app, "model_name": model_name}
+        keys = ("model_name", "app", "api")
         self.ttft = Histogram(
-            "baton_time_to_first_token_seconds",
+            "vllm_time_to_first_token_seconds",
             "Seconds from a request's arrival at the router to its first token.",
             _LATENCY_BUCKETS,
             keys,
         )
         self.itl = Histogram(
-            "baton_inter_token_latency_seconds",
+            "vllm_inter_token_latency_seconds",
             "Seconds between consecutive tokens of one stream.",
             _ITL_BUCKETS,
             keys,
+        )
+        self.e2e = Histogram(
+            "vllm_e2e_request_latency_seconds",
+            "Seconds from a request's arrival at the router to its end (completed ones).",
+            _E2E_BUCKETS,
+            keys,
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm_request_prompt_tokens",
+            "Prompt tokens of each completed request.",
+            _TOKEN_BUCKETS,
+            keys,
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm_request_generation_tokens",
+            "Tokens generated for each completed request.",
+            _TOKEN_BUCKETS,
+            keys,
+        )
+        self.success = Counter(
+            "vllm_request_success_total",
+            "Requests completed, by finished_reason (stop, length, abort).",
+            (*keys, "finished_reason"),
         )
         self.requests = Counter(
             "baton_requests_total",
             "Requests ended, by finish reason (stop, length, abort, none; with n choices, "
             "the first choice's) and status (ok, invalid, unauthenticated, overloaded, "
             "unavailable, cancelled, internal).",
-            ("app", "api", "finish_reason", "status"),
+            ("model_name", "app", "api", "finish_reason", "status"),
         )
-        self.prompt_tokens = Counter("baton_prompt_tokens_total", "Prompt tokens served.", keys)
-        self.generation_tokens = Counter("baton_generation_tokens_total", "Tokens generated.", keys)
+        self.prompt_tokens = Counter("vllm_prompt_tokens_total", "Prompt tokens served.", keys)
+        self.generation_tokens = Counter("vllm_generation_tokens_total", "Tokens generated.", keys)
 
     def first_token(self, api: str, seconds: float) -> None:
         self.ttft.observe(seconds, {**self._tags, "api": api})
@@ -68,6 +127,16 @@ class RouterMetrics:
         self.requests.inc(1, {**tags, "finish_reason": finish_reason, "status": status})
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens, tags)
+
+    def completed(
+        self, api: str, seconds: float, finish_reason: str, prompt_tokens: int, output_tokens: int
+    ) -> None:
+        """A request that ended well: its latency and token counts, as vLLM counts them."""
+        tags = {**self._tags, "api": api}
+        self.e2e.observe(seconds, tags)
+        self.request_prompt_tokens.observe(prompt_tokens, tags)
+        self.request_generation_tokens.observe(output_tokens, tags)
+        self.success.inc(1, {**tags, "finished_reason": finish_reason})
 
     def generated(self, api: str, num_tokens: int) -> None:
         """The tokens one choice of a request generated."""
@@ -98,37 +167,37 @@ class RouterMetrics:
         finally:
             last = lasts.get(0) or next(iter(lasts.values()), None)
             finish = last.finish_reason.value if last and last.finish_reason else "none"
-            self.ended(api, status, finish, last.num_prompt_tokens if last else 0)
+            prompt = last.num_prompt_tokens if last else 0
+            self.ended(api, status, finish, prompt)
+            if status == "ok" and last is not None:
+                output = sum(out.num_output_tokens for out in lasts.values())
+                self.completed(api, time.perf_counter() - started, finish, prompt, output)
 
 
 class ReplicaMetrics:
-    def __init__(self, app: str, pool: str, replica_id: str):
-        self._tags = {"app": app, "pool": pool, "replica": replica_id}
-        keys = ("app", "pool", "replica")
-        self.running = Gauge("baton_running_requests", "Requests being computed.", keys)
+    def __init__(self, app: str, pool: str, replica_id: str, model_name: str):
+        # `engine` as vLLM labels an engine's series; here the Serve replica.
+        self._tags = {"model_name": model_name, "app": app, "pool": pool, "engine": replica_id}
+        keys = ("model_name", "app", "pool", "engine")
+        self.running = Gauge("vllm_num_requests_running", "Requests being computed.", keys)
         self.waiting = Gauge(
-            "baton_waiting_requests", "Requests waiting for a slot or for KV blocks.", keys
+            "vllm_num_requests_waiting", "Requests waiting for a slot or for KV blocks.", keys
         )
         self.kv_usage = Gauge(
-            "baton_kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use.", keys
+            "vllm_kv_cache_usage_perc", "Fraction of the KV-cache blocks in use (0-1).", keys
         )
-        self.hit_rate = Gauge(
-            "baton_prefix_cache_hit_rate",
-            "Prompt tokens found in the prefix cache, of all looked up since the replica started.",
-            keys,
-        )
-        # The rate over a window, and across replicas, is these counters' rates' ratio.
+        # A hit rate over a window, and across replicas, is these counters' rates' ratio.
         self.prefix_queries = Counter(
-            "baton_prefix_cache_queries_tokens_total",
-            "Prompt tokens looked up in the prefix cache.",
-            keys,
+            "vllm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", keys
         )
         self.prefix_hits = Counter(
-            "baton_prefix_cache_hits_tokens_total",
-            "Prompt tokens found in the prefix cache.",
-            keys,
+            "vllm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", keys
         )
-        self._counted = (0, 0)  # prefix cache (queries, hits) already added to the counters
+        self.preemptions = Counter(
+            "vllm_num_preemptions_total", "Running requests preempted for KV blocks.", keys
+        )
+        # (queries, hits, preemptions) of the engine's totals already added to the counters.
+        self._counted = (0, 0, 0)
         self.draft_acceptance = Gauge(
             "baton_speculative_acceptance_ratio",
             "Drafted tokens the model agreed with, of those checked (speculative decoding).",
@@ -168,13 +237,12 @@ class ReplicaMetrics:
         self.waiting.set(stats.num_waiting + stats.imports_waiting, self._tags)
         used = stats.num_total_blocks - stats.num_free_blocks
         self.kv_usage.set(used / max(stats.num_total_blocks, 1), self._tags)
-        self.hit_rate.set(stats.prefix_cache_hit_rate, self._tags)
-        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        if queries > self._counted[0]:  # Ray's Counter refuses inc(0)
-            self.prefix_queries.inc(queries - self._counted[0], self._tags)
-        if hits > self._counted[1]:
-            self.prefix_hits.inc(hits - self._counted[1], self._tags)
-        self._counted = (queries, hits)
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        counters = (self.prefix_queries, self.prefix_hits, self.preemptions)
+        for counter, total, counted in zip(counters, totals, self._counted, strict=True):
+            if total > counted:  # Ray's Counter refuses inc(0)
+                counter.inc(total - counted, self._tags)
+        self._counted = totals
         if stats.num_draft_tokens:  # a replica that never speculated exports no ratio
             ratio = stats.num_accepted_draft_tokens / stats.num_draft_tokens
             self.draft_acceptance.set(ratio, self._tags)

@@ -119,7 +119,7 @@ class Router(HealthService):
         self.frontend = ModelFrontend(
             model_dir, self.model_id, config.block_size, config.context_length(model_dir)
         )
-        self.served_model_name = config.served_model_name or model_dir.name
+        self.served_model_name = config.served_name(model_dir)
         # What "auto" means for each pool is the engine's rule, so ask the engine's config.
         self.dtypes = {
             role: config.engine_config(p, str(model_dir), self.model_id).resolved_dtype_name()
@@ -132,7 +132,7 @@ class Router(HealthService):
         # config.OutputChannel); a decode replica's prefill call is always an actor call
         # (engine_server.py), as its result carries ObjectRefs to the exported KV.
         self.pool = pool.options(stream=True, _by_reference=config.output_channel == "actor_call")
-        self.metrics = RouterMetrics(app_name)
+        self.metrics = RouterMetrics(app_name, self.served_model_name)
         self.demux = OutputDemux(self.pool.subscribe.remote)
 
     def __del__(self) -> None:

@@ -25,7 +25,7 @@ def _is_builtin(api_version: str) -> bool:
 def test_objects_validate_as_kubernetes_objects(chart, values):
     docs = _render(chart, values)
     builtin = [d for d in docs if _is_builtin(d["apiVersion"])]
-    assert [d["kind"] for d in builtin] == ["Service"]
+    assert [d["kind"] for d in builtin] == ["ConfigMap", "Service"]  # the dashboard, the ports
     # The RayService embeds pod templates, which the CRD's structural schema only loosely
     # checks; hold them to Kubernetes' own schema too.
     cluster = _rayservice(docs)["spec"]["rayClusterConfig"]

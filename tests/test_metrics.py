@@ -21,7 +21,7 @@ class CountedRequests(RouterMetrics):
     """The router's metrics, with each request's count also kept here to read back."""
 
     def __init__(self) -> None:
-        super().__init__("test")
+        super().__init__("test", "tiny")
         self.requests_ended: list[tuple] = []
         self.ttfts: list[float] = []
 
@@ -98,14 +98,54 @@ def test_time_to_first_token_is_the_first_token_of_any_choice():
     assert asyncio.run(consume()) == [1, 1]
 
 
-def test_a_replicas_prefix_cache_counters_grow_by_what_each_report_adds():
-    metrics = ReplicaMetrics("app", "decode", "r1")
-    added: dict[str, list[int]] = {"queries": [], "hits": []}
-    metrics.prefix_queries.inc = lambda n, tags: added["queries"].append(n)
-    metrics.prefix_hits.inc = lambda n, tags: added["hits"].append(n)
-    counts = [(0, 0), (32, 16), (32, 16), (48, 16)]
-    for queries, hits in counts:
+def test_a_replicas_counters_grow_by_what_each_report_adds():
+    metrics = ReplicaMetrics("app", "decode", "r1", "tiny")
+    added: dict[str, list[int]] = {"queries": [], "hits": [], "preemptions": []}
+    for name in added:
+        counter = getattr(metrics, name if name == "preemptions" else f"prefix_{name}")
+        counter.inc = lambda n, tags, name=name: added[name].append((n, tags["model_name"]))
+    counts = [(0, 0, 0), (32, 16, 0), (32, 16, 2), (48, 16, 2)]
+    for queries, hits, preemptions in counts:
         stats = EngineStats(**{f.name: 0 for f in fields(EngineStats)})
-        stats = replace(stats, prefix_cache_queries=queries, prefix_cache_hits=hits)
+        stats = replace(
+            stats,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=preemptions,
+        )
         metrics.engine(stats)
-    assert added == {"queries": [32, 16], "hits": [16]}
+    assert added == {
+        "queries": [(32, "tiny"), (16, "tiny")],
+        "hits": [(16, "tiny")],
+        "preemptions": [(2, "tiny")],
+    }
+
+
+def test_a_completed_request_records_vllms_per_request_series_and_a_failed_one_none():
+    metrics = CountedRequests()
+    seen: list[tuple] = []
+    metrics.e2e.observe = lambda v, tags: seen.append(("e2e", tags["model_name"]))
+    metrics.request_prompt_tokens.observe = lambda v, tags: seen.append(("prompt", v))
+    metrics.request_generation_tokens.observe = lambda v, tags: seen.append(("output", v))
+    metrics.success.inc = lambda n, tags: seen.append(("success", tags["finished_reason"]))
+    _run(metrics, _choice(3), _choice(2))  # n=2: the outputs of both choices count
+    assert seen == [("e2e", "tiny"), ("prompt", 5), ("output", 5), ("success", "length")]
+    seen.clear()
+    with pytest.raises(EngineOverloadedError):
+        _run(metrics, _choice(2, fail=EngineOverloadedError("full")))
+    assert seen == []
+
+
+def test_series_lists_every_series_recorded_by_its_kind():
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    from serve_app.metrics import SERIES
+
+    kinds = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
+    recorded = {
+        m._name: kinds[type(m)]
+        for owner in (RouterMetrics("a", "m"), ReplicaMetrics("a", "decode", "r", "m"))
+        for m in vars(owner).values()
+        if type(m) in kinds
+    }
+    assert recorded == SERIES

@@ -85,7 +85,7 @@ def test_a_stop_string_ends_the_choice_and_cancels_its_pool_call(tmp_path):
     router = _Router.__new__(_Router)  # what _outputs uses, without Serve
     router.pool = SimpleNamespace(generate=SimpleNamespace(remote=lambda r: call))
     router.demux = OutputDemux(_no_subscription)
-    router.metrics = RouterMetrics("test")
+    router.metrics = RouterMetrics("test", "tiny")
 
     async def run() -> list[RequestOutput]:
         got = []

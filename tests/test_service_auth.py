@@ -148,7 +148,7 @@ def test_the_router_counts_client_requests_not_choices(keyed, ray_metrics_port):
         ("ray_baton_requests_total", 'api="grpc"', 'status="unauthenticated"'),
         ("ray_baton_requests_total", 'api="http"', 'status="unauthenticated"'),
         ("ray_baton_requests_total", 'api="http"', 'status="ok"'),
-        ("ray_baton_generation_tokens_total", 'api="http"', ""),
+        ("ray_vllm_generation_tokens_total", 'api="http"', ""),
     ]
 
     def totals() -> dict:

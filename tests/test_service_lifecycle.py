@@ -227,14 +227,22 @@ def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
     with pytest.raises(grpc.RpcError) as err:  # counted as invalid
         disagg.generate_unary(generate_request("Metrics, please.", temperature=-1.0))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # vLLM's names (as Ray Serve LLM exports them) and Baton's own; all the dashboard's
+    # (test_dashboard.py) that this module's traffic produces.
     wanted = {
-        "ray_baton_time_to_first_token_seconds_count",
-        "ray_baton_inter_token_latency_seconds_count",
+        "ray_vllm_time_to_first_token_seconds_count",
+        "ray_vllm_inter_token_latency_seconds_count",
+        "ray_vllm_e2e_request_latency_seconds_count",
+        "ray_vllm_request_prompt_tokens_count",
+        "ray_vllm_request_generation_tokens_count",
+        "ray_vllm_request_success_total",
+        "ray_vllm_prompt_tokens_total",
+        "ray_vllm_generation_tokens_total",
         "ray_baton_requests_total",
-        "ray_baton_running_requests",
-        "ray_baton_waiting_requests",
-        "ray_baton_kv_cache_usage_ratio",
-        "ray_baton_prefix_cache_hit_rate",
+        "ray_vllm_num_requests_running",
+        "ray_vllm_num_requests_waiting",
+        "ray_vllm_kv_cache_usage_perc",
+        "ray_vllm_prefix_cache_queries_total",
         "ray_baton_kv_handoff_bytes_total",
         "ray_baton_kv_handoff_seconds_count",
         "ray_baton_speculative_acceptance_ratio",  # the decode pool speculates (conftest)
@@ -258,18 +266,19 @@ def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
         assert time.monotonic() < deadline, f"missing: {sorted(wanted - set(samples))}"
         time.sleep(2)
         samples = _scrape(ray_metrics_port)
-    assert total("ray_baton_time_to_first_token_seconds_count") >= 1
+    assert total("ray_vllm_time_to_first_token_seconds_count") >= 1
     assert total("ray_baton_kv_handoff_bytes_total") > 0
     # Every handoff of this module succeeded: nothing was silently recomputed.
     recomputed = total("ray_baton_handoff_recomputed_prompt_tokens_total")
     assert recomputed == 0, _decode_stats()["handoff"]["last_failure"]
-    for name in (
-        "ray_baton_kv_cache_usage_ratio",
-        "ray_baton_prefix_cache_hit_rate",
-        "ray_baton_speculative_acceptance_ratio",
-    ):
+    for name in ("ray_vllm_kv_cache_usage_perc", "ray_baton_speculative_acceptance_ratio"):
         assert all(0.0 <= v <= 1.0 for _, v in samples[name]), samples[name]
-    assert any('pool="decode"' in labels for labels, _ in samples["ray_baton_running_requests"])
+    running = samples["ray_vllm_num_requests_running"]
+    assert any('pool="decode"' in labels for labels, _ in running)
+    # Every series carries the served model's name, as vLLM's dashboards filter by it.
+    for name in wanted:
+        ours = [labels for labels, _ in samples[name] if 'app="disagg"' in labels]
+        assert ours and all('model_name="SmolLM2-135M-Instruct"' in la for la in ours), name
 
 
 def _wait_until_told_again(disagg, hashes, prompt: str) -> None:

@@ -27,7 +27,7 @@ def status_lines(report: dict) -> list[str]:
     for r in report["replicas"]:
         e = r["engine"]
         used = e["num_total_blocks"] - e["num_free_blocks"]
-        # Handed-over requests waiting for blocks wait too (as baton_waiting_requests).
+        # Handed-over requests waiting for blocks wait too (as vllm_num_requests_waiting).
         waiting = e["num_waiting"] + e.get("imports_waiting", 0)
         lines.append(
             # .get: a replica of an older release, mid rolling upgrade, posts neither.
