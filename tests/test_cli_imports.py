@@ -72,6 +72,20 @@ def test_help_and_generate_up_to_the_connection_need_no_torch():
     assert "ImportError" not in run.stderr and "Traceback" not in run.stderr
 
 
+def test_bench_needs_no_torch():
+    # Nothing listens on port 1: every request fails, and is counted as failed.
+    run = _without_torch(
+        """
+        from serve_app.ops.cli import main
+        args = ["bench", "--base-url", "http://127.0.0.1:1/v1", "--model", "m", "--warmup", "0"]
+        print("RC", main([*args, "--num-prompts", "2", "--concurrency", "1", "--no-progress"]))
+        """,
+        _LOADED_ENGINE_MODULES,
+    )
+    assert "RC 0" in run.stdout and "ENGINE []" in run.stdout, run.stderr
+    assert '"requests_sent": 2' in run.stdout and '"requests_failed": 2' in run.stdout
+
+
 def test_a_bad_flag_for_the_remote_generate_is_refused_without_torch():
     run = _without_torch(
         """

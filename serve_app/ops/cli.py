@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 
+from serve_app.ops.bench import add_bench_args
+from serve_app.ops.bench import bench as bench_endpoint
 from serve_app.ops.generate import add_sampling_args, generate
 
 log = logging.getLogger("baton")
@@ -148,6 +150,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "`baton serve` started it on this machine",
     )
     _add_app_arg(stop)
+
+    bench = sub.add_parser(
+        "bench",
+        help="load an OpenAI-compatible endpoint (Baton, vLLM, llama.cpp) and report "
+        "TTFT / TPOT / ITL / E2E percentiles, throughput and goodput",
+    )
+    add_bench_args(bench)
 
     fetch = sub.add_parser(
         "fetch",
@@ -284,6 +293,7 @@ _COMMANDS = {
     "stop": _stop,
     "drain": _drain,
     "fetch": _fetch,
+    "bench": bench_endpoint,
 }
 
 
