@@ -52,6 +52,8 @@ LOCAL_HEAD_RESOURCE = "baton_local_head"
 # for HAProxy on other nodes to drop it; on one machine HAProxy drops it at once, and the
 # default would only make `baton stop` wait.
 LOCAL_HEAD_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+LOCAL_DASHBOARD_HOST = "127.0.0.1"
+LOCAL_DASHBOARD_PORT = 8265
 # How long `deploy` waits for the application to run. Serve itself waits for ever and
 # keeps retrying a replica it cannot place (or whose engine cannot start), so an
 # unplaceable pool would otherwise hang `baton serve` / `baton scale` silently.
@@ -92,7 +94,11 @@ def connect(address: str | None = None, start_if_missing: bool = False) -> None:
                 "--head",
                 f"--num-cpus={num_cpus}",
                 f'--resources={{"{LOCAL_HEAD_RESOURCE}": 1}}',
-                "--include-dashboard=false",
+                # Ray's dashboard, on this machine's loopback only: a local head is one
+                # user's, and the dashboard has no authentication.
+                "--include-dashboard=true",
+                f"--dashboard-host={LOCAL_DASHBOARD_HOST}",
+                f"--dashboard-port={LOCAL_DASHBOARD_PORT}",
                 "--disable-usage-stats",
             ],
             env={**LOCAL_HEAD_ENV, **os.environ},
@@ -106,6 +112,7 @@ def connect(address: str | None = None, start_if_missing: bool = False) -> None:
             f"{' | '.join(lines[-3:]) or 'no output'} (all of it in {output})"
         )
     ray.init(address="auto", **kwargs)
+    log.info("Ray dashboard: http://%s:%d", LOCAL_DASHBOARD_HOST, LOCAL_DASHBOARD_PORT)
 
 
 # Environment of the Serve controller and, by inheritance, its proxies and replicas.
