@@ -137,8 +137,15 @@ class EngineServer:
                 request.params,
                 request.cache_salt,
             )
-        async for item in self.channels.stream(request.router_id, outputs):
+        async for item in self.channels.stream(request.router_id, self._timed(outputs)):
             yield item
+
+    async def _timed(self, outputs: AsyncIterator) -> AsyncIterator:
+        """The outputs, each request's time in the engine recorded as it ends."""
+        async for out in outputs:
+            if getattr(out, "timing", None) is not None:
+                self.metrics.timing(out.timing)
+            yield out
 
     async def subscribe(self, sub: Subscription) -> AsyncIterator[str | list[RequestOutput]]:
         """A router's output subscription to this replica (streaming/output_channels.py)."""
@@ -170,6 +177,8 @@ class EngineServer:
             final = out
         assert final is not None and final.finished
         prefill_s = time.perf_counter() - start
+        if final.timing is not None:
+            self.metrics.timing(final.timing)
         if final.finish_reason is FinishReason.ABORT:
             # This replica is shutting down: a failure for decode to recover from (it
             # recomputes the prompt), not a request that ended at its first token.

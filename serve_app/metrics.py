@@ -28,7 +28,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 from serve_app.errors import public_error
 from serve_app.gpu_telemetry import GpuReport
-from workers.engine import EngineStats, RequestOutput
+from workers.engine import EngineStats, RequestOutput, RequestTiming
 
 _LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 _E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
@@ -52,6 +52,10 @@ SERIES = {
     "vllm_prefix_cache_queries_total": "counter",
     "vllm_prefix_cache_hits_total": "counter",
     "vllm_num_preemptions_total": "counter",
+    "vllm_request_queue_time_seconds": "histogram",
+    "vllm_request_prefill_time_seconds": "histogram",
+    "vllm_request_decode_time_seconds": "histogram",
+    "vllm_request_inference_time_seconds": "histogram",
     "baton_speculative_acceptance_ratio": "gauge",
     "baton_kv_handoff_bytes_total": "counter",
     "baton_kv_handoff_seconds": "histogram",
@@ -198,6 +202,22 @@ class ReplicaMetrics:
         )
         # (queries, hits, preemptions) of the engine's totals already added to the counters.
         self._counted = (0, 0, 0)
+        # Each request's time in this pool's engine (a P/D request has a prefill and a
+        # decode part, one per pool: `pool` tells them apart).
+        self.request_times = {
+            part: Histogram(
+                f"vllm_request_{part}_time_seconds",
+                f"Seconds of a request's {what} in this engine.",
+                _E2E_BUCKETS,
+                keys,
+            )
+            for part, what in (
+                ("queue", "wait to be scheduled"),
+                ("prefill", "time from being scheduled to its first token"),
+                ("decode", "time from its first token to its end"),
+                ("inference", "prefill and decode time"),
+            )
+        }
         self.draft_acceptance = Gauge(
             "baton_speculative_acceptance_ratio",
             "Drafted tokens the model agreed with, of those checked (speculative decoding).",
@@ -246,6 +266,16 @@ class ReplicaMetrics:
         if stats.num_draft_tokens:  # a replica that never speculated exports no ratio
             ratio = stats.num_accepted_draft_tokens / stats.num_draft_tokens
             self.draft_acceptance.set(ratio, self._tags)
+
+    def timing(self, timing: RequestTiming) -> None:
+        """A request that ended in this engine (or handed off, on prefill)."""
+        for part, seconds in (
+            ("queue", timing.queued_s),
+            ("prefill", timing.prefill_s),
+            ("decode", timing.decode_s),
+            ("inference", timing.inference_s),
+        ):
+            self.request_times[part].observe(seconds, self._tags)
 
     def handoff(self, num_bytes: int, seconds: float) -> None:
         if num_bytes:  # none when decode held every block; Ray's Counter refuses inc(0)

@@ -111,3 +111,32 @@ def test_generate_adds_all_prompts_or_none(model_dir):
         engine.generate([[5, 6, 7], []], GREEDY)
     assert not engine.has_unfinished()
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_the_last_output_says_where_the_requests_time_went(model_dir):
+    engine = _engine(model_dir, max_num_seqs=1)  # the second request queues behind the first
+    for rid in ("a", "b"):
+        engine.add_request(rid, [5, 6, 7, 8], GREEDY)
+    outputs = {"a": [], "b": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    for rid, outs in outputs.items():
+        assert all(o.timing is None for o in outs[:-1]), rid
+        timing = outs[-1].timing
+        assert timing is not None and outs[-1].finished
+        assert timing.prefill_s > 0 and timing.decode_s > 0, timing
+        assert timing.inference_s == timing.prefill_s + timing.decode_s
+    # b waited for a's whole generation before it was scheduled.
+    a, b = outputs["a"][-1].timing, outputs["b"][-1].timing
+    assert b.queued_s >= a.inference_s > 0
+
+
+def test_a_handoff_ends_the_prefill_engines_part_with_its_timing(model_dir):
+    from handoff_helpers import _engine as handoff_engine
+    from handoff_helpers import _handoff
+
+    prefill, decode = handoff_engine(model_dir), handoff_engine(model_dir)
+    first, *rest = _handoff(prefill, decode, "r", [5, 6, 7, 8, 9] * 8)
+    assert first.timing is not None and first.timing.decode_s == 0.0
+    assert rest[-1].timing is not None and rest[-1].timing.decode_s > 0

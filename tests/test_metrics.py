@@ -142,10 +142,24 @@ def test_series_lists_every_series_recorded_by_its_kind():
     from serve_app.metrics import SERIES
 
     kinds = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
-    recorded = {
-        m._name: kinds[type(m)]
-        for owner in (RouterMetrics("a", "m"), ReplicaMetrics("a", "decode", "r", "m"))
-        for m in vars(owner).values()
-        if type(m) in kinds
-    }
+    owners = (RouterMetrics("a", "m"), ReplicaMetrics("a", "decode", "r", "m"))
+    attributes = [v for owner in owners for v in vars(owner).values()]
+    metrics = [m for a in attributes for m in (a.values() if isinstance(a, dict) else [a])]
+    recorded = {m._name: kinds[type(m)] for m in metrics if type(m) in kinds}
     assert recorded == SERIES
+
+
+def test_a_requests_time_in_an_engine_is_recorded_per_part():
+    from workers.engine import RequestTiming
+
+    metrics = ReplicaMetrics("app", "prefill", "r1", "tiny")
+    seen = {}
+    for part, histogram in metrics.request_times.items():
+        histogram.observe = lambda v, tags, part=part: seen.setdefault(part, (v, tags["pool"]))
+    metrics.timing(RequestTiming(queued_s=0.5, prefill_s=0.25, decode_s=2.0))
+    assert seen == {
+        "queue": (0.5, "prefill"),
+        "prefill": (0.25, "prefill"),
+        "decode": (2.0, "prefill"),
+        "inference": (2.25, "prefill"),
+    }

@@ -243,6 +243,9 @@ def test_metrics_reach_rays_prometheus_endpoint(disagg, ray_metrics_port):
         "ray_vllm_num_requests_waiting",
         "ray_vllm_kv_cache_usage_perc",
         "ray_vllm_prefix_cache_queries_total",
+        "ray_vllm_request_queue_time_seconds_count",
+        "ray_vllm_request_prefill_time_seconds_count",
+        "ray_vllm_request_decode_time_seconds_count",
         "ray_baton_kv_handoff_bytes_total",
         "ray_baton_kv_handoff_seconds_count",
         "ray_baton_speculative_acceptance_ratio",  # the decode pool speculates (conftest)

@@ -13,7 +13,7 @@ from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.handoff.handle import KVHandle, StalePrefixError
 from workers.engine.handoff.pull_budget import PullBudget
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.outputs import EngineStats, RequestOutput, merge_outputs
+from workers.engine.outputs import EngineStats, RequestOutput, RequestTiming, merge_outputs
 from workers.engine.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -59,6 +59,7 @@ __all__ = [
     "LLMEngine",
     "PullBudget",
     "RequestOutput",
+    "RequestTiming",
     "SamplingParams",
     "SchedulerConfig",
     "SpeculativeConfig",

@@ -31,7 +31,7 @@ from workers.engine.handoff.decode_imports import DecodeImports
 from workers.engine.handoff.handle import KVHandle
 from workers.engine.handoff.prefill_exports import PrefillExports
 from workers.engine.kv_cache_manager import KVCacheManager, KVEventCallback
-from workers.engine.outputs import EngineStats, RequestOutput, merge_outputs
+from workers.engine.outputs import EngineStats, RequestOutput, RequestTiming, merge_outputs
 from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_request
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
@@ -290,6 +290,7 @@ class LLMEngine:
             self.scheduler.finish(seq, keep_blocks=handing_off)
             self._requests.pop(seq.request_id, None)
         handoff = self.handoffs.hold(seq, now) if handing_off else None
+        ended = reason is not None or handing_off
         # A handoff releases text as a running request would, so the decode engine's
         # first output (the same token) carries the same text.
         text = seq.detokenizer.release(finished=reason is not None) if seq.detokenizer else ""
@@ -309,6 +310,7 @@ class LLMEngine:
                 if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1
                 else None
             ),
+            timing=_timing(seq, now) if ended else None,
         )
 
     # -- imported requests (added by add_prefilled_request) --------------------
@@ -482,3 +484,14 @@ class LLMEngine:
                 self.speculator.num_accepted_tokens if self.speculator else 0
             ),
         )
+
+
+def _timing(seq: Sequence, now: float) -> RequestTiming:
+    """The request's time in this engine, ending `now` (appended its last token)."""
+    scheduled = seq.first_scheduled_time if seq.first_scheduled_time is not None else now
+    first = seq.first_token_time if seq.first_token_time is not None else now
+    return RequestTiming(
+        queued_s=max(scheduled - seq.arrival_time, 0.0),
+        prefill_s=max(first - scheduled, 0.0),
+        decode_s=max(now - first, 0.0),
+    )

@@ -9,6 +9,21 @@ from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where one request's time went in one engine, in seconds: waiting to be scheduled,
+    from then to its first token (prefill), and from that to its end (decode). A decode
+    engine's import counts as scheduled when its blocks are filled."""
+
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def inference_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request."""
@@ -28,6 +43,8 @@ class RequestOutput:
     # On a request's first output, if it asked (SamplingParams.prompt_logprobs): prompt
     # token i + 1's logprob at index i.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # On the output that ends the request in this engine (its handoff, on prefill).
+    timing: RequestTiming | None = None
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

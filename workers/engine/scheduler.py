@@ -13,6 +13,7 @@ sequence is readmitted the same way and may find its own blocks still cached.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -144,6 +145,8 @@ class Scheduler:
                 self._refused = None
                 self.waiting.popleft()
                 self._count_prefix_lookup(seq, cached)
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = time.monotonic()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, n))
@@ -174,6 +177,8 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """Takes a sequence whose blocks are filled already (a KV import) straight to running."""
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

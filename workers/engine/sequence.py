@@ -60,6 +60,9 @@ class Sequence:
     draft_misses: int = 0
     draft_pause: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # When the scheduler first ran it (an import: when its blocks were filled) and when
+    # it had its first token: with the end, the request's queue, prefill and decode time.
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
     @classmethod
