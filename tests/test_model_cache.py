@@ -255,6 +255,11 @@ def test_a_chunked_model_is_assembled_in_order(tmp_path, make_tiny_gguf, monkeyp
     assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
     err = capsys.readouterr().err
     assert "Gemma terms" in err and "unpacked" in err and "converting" in err
+    # Conversion progress: a line at each quarter of the tensors, ending with all of them.
+    steps = [line for line in err.splitlines() if "tensors" in line]
+    assert len(steps) >= 4 and steps[-1].endswith(" tensors")
+    done, total = steps[-1].split()[-2].split("/")
+    assert done == total
 
 
 def test_a_gguf_file_is_converted_once_per_content(tmp_path, make_tiny_gguf, monkeypatch):

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,11 @@ from workers.model.loader import weights_digest
 __all__ = ["convert_gguf", "unpermute_qk", "write_blocks"]
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Write `out_dir` as an HF folder (fp32 safetensors, tokenizer.json, configs).
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """Write `out_dir` as an HF folder (fp32 safetensors, tokenizer.json, configs);
+    `progress(done, total)` is told of each tensor dequantized.
 
     The folder appears all at once (built beside it, then renamed) so a crash never leaves a
     half-written model that a later run would mistake for a finished one. Raises ValueError for a
@@ -51,7 +54,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        _write_safetensors(tmp / "model.safetensors", _hf_tensors(reader, arch, config))
+        tensors = _hf_tensors(reader, arch, config, progress)
+        _write_safetensors(tmp / "model.safetensors", tensors)
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "config.json", config)
         _write_blocks(reader, arch, config, tmp)
@@ -103,10 +107,15 @@ def _check_tensors(reader: GGUFReader, arch: GGUFArch, config: dict[str, Any]) -
 
 
 def _hf_tensors(
-    reader: GGUFReader, arch: GGUFArch, config: dict[str, Any]
+    reader: GGUFReader,
+    arch: GGUFArch,
+    config: dict[str, Any],
+    progress: Callable[[int, int], None] | None = None,
 ) -> Iterable[tuple[str, np.ndarray]]:
     """Yield (hf_name, fp32 array) one at a time so peak memory stays at one tensor."""
-    for tensor in reader.tensors:
+    for done, tensor in enumerate(reader.tensors, 1):
+        if progress is not None:
+            progress(done, len(reader.tensors))
         name = arch.hf_name(tensor.name)
         # GGUF lists dimensions fastest-first; numpy (and torch) want them slowest-first.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))

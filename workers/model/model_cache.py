@@ -131,7 +131,13 @@ def _progress(message: str) -> None:
 def _converting(gguf_path: Path, model_dir: Path) -> None:
     _progress(f"converting {gguf_path.name} to {model_dir} (once)")
     start = time.monotonic()
-    convert_gguf(gguf_path, model_dir)
+
+    def tensors(done: int, total: int) -> None:
+        # A line at each quarter: conversion takes tens of seconds for a small model.
+        if done == total or done * 4 // total != (done - 1) * 4 // total:
+            _progress(f"converting: {done}/{total} tensors")
+
+    convert_gguf(gguf_path, model_dir, tensors)
     _progress(f"converted in {time.monotonic() - start:.0f} s")
 
 
