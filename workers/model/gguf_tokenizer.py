@@ -52,8 +52,6 @@ _LLAMA3_SPLIT = (
 
 # llama.cpp token types (enum llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
-
-
 _SPACE = "\u2581"
 
 
@@ -101,10 +99,11 @@ def _sentencepiece_bpe(meta: GGUFMetadata) -> Tokenizer:
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
-    merges = []
-    for token in tokens:
-        splits = [(token[:k], token[k:]) for k in range(len(token) - 1, 0, -1)]
-        merges.extend((left, right) for left, right in splits if left in vocab and right in vocab)
+    merges = _merges(meta)
+    if not merges:  # as Gemma's files: recovered from the vocabulary
+        for token in tokens:
+            splits = [(token[:k], token[k:]) for k in range(len(token) - 1, 0, -1)]
+            merges.extend((a, b) for a, b in splits if a in vocab and b in vocab)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id", None)
     bpe = models.BPE(
         vocab=vocab,
@@ -126,15 +125,21 @@ def _sentencepiece_bpe(meta: GGUFMetadata) -> Tokenizer:
     return tokenizer
 
 
-def _byte_level_bpe(meta: GGUFMetadata) -> Tokenizer:
-    """The byte-level BPE tokenizer llama.cpp would run for this file."""
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens")
+def _merges(meta: GGUFMetadata, required: bool = False) -> list[tuple[str, str]]:
+    """The file's BPE merges, "left right" each (empty if it lists none)."""
     merges = []
-    for merge in meta.get("tokenizer.ggml.merges"):
+    for merge in meta.get("tokenizer.ggml.merges", ... if required else None) or []:
         pair = merge.split(" ")
         if len(pair) != 2:
             raise ValueError(f"malformed BPE merge {merge!r}")
         merges.append((pair[0], pair[1]))
+    return merges
+
+
+def _byte_level_bpe(meta: GGUFMetadata) -> Tokenizer:
+    """The byte-level BPE tokenizer llama.cpp would run for this file."""
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens")
+    merges = _merges(meta, required=True)
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError("GGUF vocabulary has duplicate tokens")
