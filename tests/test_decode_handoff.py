@@ -215,6 +215,9 @@ class _LivePrefillPool:
     def __init__(self, engine: AsyncEngine) -> None:
         self.replica = _PrefillReplica.__new__(_PrefillReplica)
         self.replica.role, self.replica.engine = "prefill", engine
+        # What the replica records of each prefill's time (the metrics' own input).
+        self.timings: list = []
+        self.replica.metrics = SimpleNamespace(timing=self.timings.append)
         self.prefill = SimpleNamespace(remote=self._call)
         self.transports: list[str | None] = []  # asked for, call by call
 
@@ -248,9 +251,14 @@ def test_a_handoff_decodes_as_one_engine_would_and_frees_its_budget_at_the_impor
         prefill, decode = AsyncEngine(_engine(model_dir)), AsyncEngine(_engine(model_dir))
         try:
             want = [t for o in await _collect(alone, "alone", PROMPT) for t in o.new_token_ids]
-            handoff = _handoff(decode, _LivePrefillPool(prefill))
+            pool = _LivePrefillPool(prefill)
+            handoff = _handoff(decode, pool)
             outputs = handoff.generate(_request(decode, PROMPT))
             first = await anext(outputs)
+            # The prefill replica recorded its part of the request's time, ending at the
+            # handoff (its decode part nothing).
+            (timing,) = pool.timings
+            assert timing.prefill_s > 0 and timing.decode_s == 0.0
             assert handoff.budget.used == 0  # the KV is in decode's blocks now
             got = first.new_token_ids + await _tokens(outputs)
             stats = handoff.stats
