@@ -64,6 +64,7 @@ class TPWorkerGroup:
         # Ranks holding distinct KV-head shares: all of them, unless heads are replicated.
         num_kv_heads = ModelConfig.from_pretrained(spec.model_dir).num_key_value_heads
         self.kv_size = kv_shards(num_kv_heads, tp_size)
+        self._ranks_per_share = tp_size // self.kv_size
         gpu = spec.device.startswith("cuda")
         bundle = rank_bundle(gpu)
         if placement == "own":
@@ -121,11 +122,10 @@ class TPWorkerGroup:
         """Each KV-head share's slice of the blocks, in share order, as `transport`
         carries it (cut for an importer of `dst_tp` shares, if given): every rank's, or,
         where ranks replicate heads, the first of each share's ranks."""
-        step = self.tp_size // self.kv_size
         return self._gather(
             [
                 w.export_blocks.remote(block_ids, start_block, transport, dst_tp)
-                for w in self._ranks()[::step]
+                for w in self._ranks()[:: self._ranks_per_share]
             ]
         )
 
@@ -183,9 +183,8 @@ class TPWorkerGroup:
             self._gather([w.import_staged.remote(block_ids, key, from_block) for w in ranks])
             return
         local = kv_transport.fetch_all(parts, "cpu")  # to the ranks through Ray's object store
-        step = self.tp_size // self.kv_size
         shares = [
-            kv_transport.materialize(local, rank // step, self.kv_size, from_block)
+            kv_transport.materialize(local, rank // self._ranks_per_share, self.kv_size, from_block)
             for rank in range(self.tp_size)
         ]
         self._gather(

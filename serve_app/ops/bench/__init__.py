@@ -91,7 +91,7 @@ def bench(args: argparse.Namespace) -> int:
     for point in points:
         for request in warmup:
             endpoint.complete(request)
-        label = report._load_label(point)
+        label = report.load_label(point)
         progress = load.Progress(label, len(requests), not args.no_progress)
         if "concurrency" in point:
             results, seconds = load.at_concurrency(

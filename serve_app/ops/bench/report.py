@@ -83,7 +83,7 @@ _COLUMNS = [
 ]
 
 
-def _load_label(row: dict[str, Any]) -> str:
+def load_label(row: dict[str, Any]) -> str:
     if "concurrency" in row:
         return f"c={row['concurrency']}"
     return f"rate={row['request_rate']:g}/s"
@@ -93,7 +93,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The summaries as an aligned text table (latencies in ms)."""
     cells = [[name for name, _ in _COLUMNS]]
     for row in rows:
-        line = [_load_label(row)]
+        line = [load_label(row)]
         for _, key in _COLUMNS[1:]:
             value = row[key]
             line.append(
@@ -124,7 +124,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         y = [row[key] if row[key] is not None else float("nan") for row in rows]
         ax.plot(x, y, marker="o")
         for xi, yi, row in zip(x, y, rows, strict=True):
-            ax.annotate(_load_label(row), (xi, yi), textcoords="offset points", xytext=(4, 4))
+            ax.annotate(load_label(row), (xi, yi), textcoords="offset points", xytext=(4, 4))
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
