@@ -2,10 +2,11 @@
 
 Prints JSON lines: single-stream decode tokens/s (32-token prompt, 128 new
 tokens), aggregate tokens/s at 8 and 32 concurrent requests (128 new tokens
-each), TTFT of a 512- and a 2,048-token prompt, the KV cache's bytes per token,
-and ratio.*.engine_over_hf for each. --model picks a bundled model (its GGUF is
-what transformers loads). The single
-stream is also measured with n-gram speculative decoding on both sides
+each), TTFT of a 512- and a 2,048-token prompt, and ratio.*.engine_over_hf for
+each; the KV cache's bytes per token, with every layer keeping the whole context and
+as an 8k-token sequence holds them, and a 2,048-token handoff's bytes (kv_figures).
+--model picks a bundled model (its GGUF is what transformers loads). The single stream
+is also measured with n-gram speculative decoding on both sides
 (`engine_ngram`: EngineConfig.speculative; `hf_ngram`: generate's prompt lookup
 with as many tokens), each against plain transformers and against the other.
 Measurements alternate engine / transformers round by round and report the
@@ -80,6 +81,33 @@ def hf_run(
     elapsed = time.perf_counter() - start
     assert out.shape[1] - width == max_tokens
     return len(prompts) * max_tokens / elapsed, elapsed
+
+
+def kv_figures(engine: LLMEngine) -> list[tuple[str, float, str]]:
+    """The KV cache's bytes per token with every layer keeping the whole context; what an
+    8k-token sequence holds of the pool (a sliding-window layer keeps only its window)
+    against that; and the bytes a KV handoff of a 2,048-token prompt moves against an
+    all-layers handoff, measured on a real export."""
+    block_bytes = engine.kv_cache_bytes / engine.kv.num_blocks
+    groups, block_size = engine.kv.groups, engine.config.block_size
+    all_layers_per_token = block_bytes * groups.num_groups / block_size
+    held_8k = groups.blocks_needed(8192, 1, block_size)
+    all_full_8k = groups.num_groups * -(-8192 // block_size)
+    prompt = [(7 * i) % 1000 + 100 for i in range(2048)]
+    engine.add_request("handoff", prompt, SamplingParams(max_tokens=2), prefill_only=True)
+    while engine.has_unfinished():
+        engine.step()
+    _, parts = engine.export_kv("handoff", skip_blocks=0)
+    moved = sum(p.nbytes for p in parts)
+    all_layers = engine.stats().kv_blocks_exported_all_layers * block_bytes
+    engine.release_handoff("handoff")
+    return [
+        ("engine.kv_bytes_per_token", all_layers_per_token, "B"),
+        ("engine.kv_bytes_per_token_8k", held_8k * block_bytes / 8192, "B"),
+        ("ratio.kv_blocks_8k.hybrid_over_all_full", held_8k / all_full_8k, "ratio"),
+        ("engine.handoff_bytes_2048", moved, "B"),
+        ("ratio.handoff_bytes_2048.windowed_over_all_layers", moved / all_layers, "ratio"),
+    ]
 
 
 def main() -> None:
@@ -157,8 +185,8 @@ def main() -> None:
         "new_tokens": NEW_TOKENS,
         "git_commit": git_commit(),
     }
-    per_token = engine.kv_cache_bytes / (engine.kv.num_blocks * config.block_size)
-    emit("engine.kv_bytes_per_token", per_token, "B", **context)
+    for name, value, unit in kv_figures(engine):
+        emit(name, value, unit, **context)
     ratios = [("engine", "hf"), ("engine_ngram", "hf"), ("engine_ngram", "hf_ngram")]
     for name, by_system in results.items():
         unit = "s" if name.startswith("ttft") else "tok/s"

@@ -44,11 +44,11 @@ def decode_step_s(runner, batch: int, steps: int) -> float:
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     prompts = [[(17 * i + j) % 40000 + 100 for j in range(PROMPT_LEN)] for i in range(batch)]
     runner.execute(
-        StepInput([SeqChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+        StepInput([SeqChunk(p, 0, [t], True) for p, t in zip(prompts, tables, strict=True)])
     )
     times = []
     for s in range(steps):
-        step = StepInput([SeqChunk([42], PROMPT_LEN + s, t, True) for t in tables])
+        step = StepInput([SeqChunk([42], PROMPT_LEN + s, [t], True) for t in tables])
         start = time.perf_counter()
         runner.execute(step)
         times.append(time.perf_counter() - start)
@@ -61,7 +61,7 @@ def prefill_s(runner, rounds: int = 3) -> float:
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        runner.execute(StepInput([SeqChunk(prompt, 0, table, True)]))
+        runner.execute(StepInput([SeqChunk(prompt, 0, [table], True)]))
         times.append(time.perf_counter() - start)
     return median(times)
 

@@ -100,7 +100,8 @@ class EngineServer:
         logger.info("%s replica %s ready (%s)", role, self.replica_id, model_dir)
 
     def _decode_handoff(self, config: AppConfig, prefill_pool: DeploymentHandle) -> DecodeHandoff:
-        # One block of the prefill pool's export: all layers and KV heads, in its dtype.
+        # One block of the prefill pool's export: a KV-cache group's layers and all KV
+        # heads, in its dtype.
         prefill = config.engine_config(config.prefill, str(config.model_dir()), None)
         block_bytes = kv_cache_bytes_per_block(
             self.engine.model_config, config.block_size, prefill.resolved_dtype()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from workers.kv.kv_groups import KVCacheGroups
+from workers.model.config import ModelConfig
 from workers.runner.model_runner import ModelRunner
 from workers.runner.step_io import SeqChunk, StepInput
 
@@ -30,14 +32,17 @@ def last_position_logits(
     dtype: torch.dtype = torch.float32,
 ) -> Iterator[torch.Tensor]:
     """The model runner's logits at each prompt's last position, one whole prefill each."""
-    longest = max(len(p) for p in prompts)
+    longest = -(-max(len(p) for p in prompts) // 16)
+    groups = KVCacheGroups.of(ModelConfig.from_pretrained(model_dir)).num_groups
     runner = ModelRunner(
         model_dir,
-        num_blocks=-(-longest // 16),
+        num_blocks=longest * groups,
         block_size=16,
         max_model_len=max_model_len,
         dtype=dtype,
     )
     for prompt in prompts:
-        table = list(range(-(-len(prompt) // 16)))
-        yield runner.execute(StepInput([SeqChunk(prompt, 0, table, sample=True)])).logits[0]
+        n = -(-len(prompt) // 16)
+        # Each KV-cache group its own blocks, as the engine's pool hands them out.
+        tables = [list(range(g * longest, g * longest + n)) for g in range(groups)]
+        yield runner.execute(StepInput([SeqChunk(prompt, 0, tables, sample=True)])).logits[0]

@@ -51,15 +51,15 @@ def _ids(out: SchedulerOutput) -> list[tuple[str, int]]:
 
 def _check_invariants(sched: Scheduler) -> None:
     kv = sched.kv
-    held = [b for seq in sched.running for b in seq.block_table]
+    held = [b for seq in sched.running for b in seq.block_tables[0]]
     assert len(held) == len(set(held)), "a block is in two block tables"
     assert kv.num_free_blocks + len(held) == kv.num_blocks
     for seq in sched.running:
         assert seq.status is SequenceStatus.RUNNING
-        assert len(seq.block_table) >= kv.blocks_for_tokens(seq.num_computed_tokens)
+        assert len(seq.block_tables[0]) >= kv.blocks_for_tokens(seq.num_computed_tokens)
     for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING
-        assert seq.block_table == []
+        assert seq.block_tables == []
     assert len(sched.running) <= sched.config.max_num_seqs
 
 

@@ -71,9 +71,9 @@ def _mixed_step(attn: PagedAttention, block: int, num_blocks: int, gen: torch.Ge
         num_decode=3,
         decode_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:3]]),
         decode_lengths=torch.tensor(lengths[:3]),
-        prefills=[PrefillChunk.with_context(3, chunk_len, slots(tables[3], 0, lengths[3]))],
+        prefills=[PrefillChunk(3, chunk_len, slots(tables[3], 0, lengths[3]))],
     )
-    out = attn(q, k, v, meta)
+    out = attn(q, k, v, [meta])
     expected = torch.cat(
         [
             _reference(q[start : start + new[i]], k_all[i], v_all[i], causal=True)
@@ -159,7 +159,7 @@ def test_the_kernel_refuses_a_block_id_outside_the_cache():
     )
     q, kv = torch.randn(1, HEADS, DIM), torch.randn(1, KV_HEADS, DIM)
     with pytest.raises(RuntimeError, match="block tables or lengths"):
-        attn(q, kv, kv, meta)
+        attn(q, kv, kv, [meta])
 
 
 @needs_kernels
@@ -227,7 +227,7 @@ def test_a_decode_step_takes_sdpa_output_in_any_memory_layout(monkeypatch):
         decode_lengths=lengths,
         prefills=[],
     )
-    out = attn(q, new_k, new_v, meta)
+    out = attn(q, new_k, new_v, [meta])
     monkeypatch.undo()  # F is torch's own module: the reference below takes plain SDPA
     for i, n in enumerate(lengths.tolist()):
         context = torch.cat([tables[i, b] * BLOCK + torch.arange(BLOCK) for b in range(2)])[:n]

@@ -103,8 +103,9 @@ def test_batched_chunked_and_cached_runs_match_one_alone(gemma_dir):
     # Prefill chunks of 8 attend to their cached context through the window.
     chunked = _engine(gemma_dir, max_num_batched_tokens=8, max_num_seqs=4)
     assert _outputs(chunked, prompts) == alone
-    # Each prompt again: its full blocks come from the prefix cache.
-    engine = _engine(gemma_dir)
+    # Each prompt again: its full blocks come from the prefix cache (a pool that evicts
+    # none of them: a sliding layer's blocks go back to it early, so they are evicted first).
+    engine = _engine(gemma_dir, num_kv_blocks=1024)
     _outputs(engine, prompts)
     for prompt, expected in zip(prompts, alone, strict=True):
         engine.add_request("again", prompt, GREEDY)
@@ -174,10 +175,10 @@ def test_a_sliding_layer_attends_to_exactly_its_window(path, window):
         decode_lengths=torch.tensor(lengths[:2]),
         prefills=[
             PrefillChunk(2, 9),
-            PrefillChunk.with_context(11, 6, slots(tables[3], 0, lengths[3])),
+            PrefillChunk(11, 6, slots(tables[3], 0, lengths[3])),
         ],
     )
-    out = attn(q, k, v, meta)
+    out = attn(q, k, v, [meta])
     assert (attn._kernel is not None) == (path == "kernel")
     rows = [0, 1, 2, 11, 17]
     expected = torch.cat(

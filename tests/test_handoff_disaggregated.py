@@ -169,18 +169,25 @@ def test_tp_degrees_may_differ_between_prefill_and_decode(
 def test_gemma3_one_kv_head_replicated_across_tp_ranks_hands_off(
     ray_cluster, gemma3_dir, prefill_tp, decode_tp
 ):
-    """Gemma 3 270M has one KV head: at TP 2 both ranks hold it, a handoff moves it once."""
+    """Gemma 3 270M has one KV head: at TP 2 both ranks hold it, a handoff moves it once.
+    The long prompt (past the 512-token window) moves only the sliding layers' window."""
     single = LLMEngine(EngineConfig(model=str(gemma3_dir), num_threads=1))
     prefill = LLMEngine(EngineConfig(model=str(gemma3_dir), tensor_parallel_size=prefill_tp))
     decode = LLMEngine(EngineConfig(model=str(gemma3_dir), tensor_parallel_size=decode_tp))
     tok = single.tokenizer
     params = SamplingParams(max_tokens=16, temperature=0.0)
     try:
-        for i, text in enumerate(["The capital of France is", "Once upon a time, " * 60]):
-            prompt = tok.encode(text)
+        prompts = [tok.encode(t) for t in ["The capital of France is", "Once upon a time, " * 150]]
+        for i, prompt in enumerate(prompts):
             expected = _single(single, prompt, params)
             got = _handoff(prefill, decode, f"g{i}", prompt, params)
             assert _tokens_of(got) == _tokens_of(expected)
+        assert len(prompts[1]) > 512 + 2 * 16
+        stats = prefill.stats()
+        # Of the long prompt's sliding layers, only the 512-token window's 33 blocks.
+        layout = prefill.kv_layout
+        assert stats.kv_blocks_exported == sum(layout.num_export_blocks(len(p), 0) for p in prompts)
+        assert stats.kv_blocks_exported < stats.kv_blocks_exported_all_layers
         _assert_all_free(prefill, decode)
     finally:
         prefill.shutdown()

@@ -15,6 +15,11 @@ def _seq(num_prompt_tokens: int, request_id: str = "r") -> Sequence:
     return Sequence(request_id, list(range(num_prompt_tokens)), SamplingParams())
 
 
+def _table(seq: Sequence) -> list[int]:
+    """The block table of a one-group cache (none before the first allocation)."""
+    return seq.block_tables[0] if seq.block_tables else []
+
+
 @pytest.mark.parametrize(
     ("block_size", "tokens", "blocks"),
     [(4, 0, 0), (4, 1, 1), (4, 4, 1), (4, 5, 2), (16, 16, 1), (16, 17, 2), (16, 33, 3)],
@@ -29,17 +34,17 @@ def test_table_grows_only_when_a_block_boundary_is_crossed(block_size):
     seq = _seq(1)
     # Grow one token at a time, as decoding does.
     for num_tokens in range(1, 4 * block_size + 1):
-        before = list(seq.block_table)
+        before = list(_table(seq))
         assert kv.allocate(seq, 1)
         seq.num_computed_tokens += 1
         crossed = (num_tokens - 1) % block_size == 0
         if crossed:
-            assert len(seq.block_table) == len(before) + 1
-            assert seq.block_table[:-1] == before
+            assert len(seq.block_tables[0]) == len(before) + 1
+            assert seq.block_tables[0][:-1] == before
         else:
-            assert seq.block_table == before
-        assert len(seq.block_table) == -(-num_tokens // block_size)
-        assert kv.num_free_blocks == 8 - len(seq.block_table)
+            assert seq.block_tables[0] == before
+        assert len(seq.block_tables[0]) == -(-num_tokens // block_size)
+        assert kv.num_free_blocks == 8 - len(seq.block_tables[0])
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -47,22 +52,22 @@ def test_chunked_allocation_matches_token_count(block_size):
     kv = KVCacheManager(num_blocks=8, block_size=block_size)
     seq = _seq(3 * block_size + 1)
     assert kv.allocate(seq, block_size + 1)
-    assert len(seq.block_table) == 2
+    assert len(seq.block_tables[0]) == 2
     seq.num_computed_tokens += block_size + 1
     # block_size - 1 more tokens exactly fill the second block: nothing new needed.
     assert kv.allocate(seq, block_size - 1)
-    assert len(seq.block_table) == 2
+    assert len(seq.block_tables[0]) == 2
     seq.num_computed_tokens += block_size - 1
     assert kv.allocate(seq, block_size + 1)
-    assert len(seq.block_table) == 4
-    assert len(set(seq.block_table)) == 4
+    assert len(seq.block_tables[0]) == 4
+    assert len(set(seq.block_tables[0])) == 4
 
 
 def test_allocate_zero_tokens_needs_no_block():
     kv = KVCacheManager(num_blocks=2, block_size=4)
     seq = _seq(4)
     assert kv.allocate(seq, 0)
-    assert seq.block_table == []
+    assert kv.num_held_blocks(seq) == 0
     assert kv.num_free_blocks == 2
 
 
@@ -73,15 +78,15 @@ def test_allocate_when_short_returns_false_without_side_effects():
     seq = _seq(8, "seq")
     assert kv.allocate(seq, 2)
     seq.num_computed_tokens = 2
-    table = list(seq.block_table)
+    table = list(seq.block_tables[0])
     assert kv.num_free_blocks == 0
     # 2 computed + 3 new = 5 tokens needs a second block the pool does not have.
     assert not kv.allocate(seq, 3)
-    assert seq.block_table == table
+    assert seq.block_tables[0] == table
     assert kv.num_free_blocks == 0
     # Asking for less than a block boundary still works with nothing free.
     assert kv.allocate(seq, 2)
-    assert seq.block_table == table
+    assert seq.block_tables[0] == table
 
 
 def test_allocate_is_all_or_nothing_for_a_multi_block_request():
@@ -89,7 +94,7 @@ def test_allocate_is_all_or_nothing_for_a_multi_block_request():
     seq = _seq(20)
     # 20 tokens needs 5 blocks; only 4 exist. None must be taken.
     assert not kv.allocate(seq, 20)
-    assert seq.block_table == []
+    assert kv.num_held_blocks(seq) == 0
     assert kv.num_free_blocks == 4
     assert [kv.pool.ref_count(b) for b in range(4)] == [0, 0, 0, 0]
 
@@ -100,12 +105,12 @@ def test_free_returns_every_block_and_clears_the_table():
     assert kv.allocate(a, 9)
     assert kv.allocate(b, 5)
     assert kv.num_free_blocks == 1
-    a_blocks = list(a.block_table)
+    a_blocks = list(a.block_tables[0])
     kv.free(a)
-    assert a.block_table == []
+    assert a.block_tables == []
     assert kv.num_free_blocks == 4
     assert all(kv.pool.ref_count(blk) == 0 for blk in a_blocks)
-    assert all(kv.pool.ref_count(blk) == 1 for blk in b.block_table)
+    assert all(kv.pool.ref_count(blk) == 1 for blk in b.block_tables[0])
     kv.free(b)
     assert kv.num_free_blocks == kv.num_blocks == 6
 
@@ -125,7 +130,7 @@ def test_freed_blocks_can_serve_another_sequence():
     assert not kv.allocate(b, 8)
     kv.free(a)
     assert kv.allocate(b, 8)
-    assert len(b.block_table) == 2
+    assert len(b.block_tables[0]) == 2
 
 
 # -- prefix caching ------------------------------------------------------------
@@ -150,13 +155,13 @@ def test_a_later_sequence_attaches_the_cached_full_blocks():
     # b shares a's first 9 tokens: a's two full blocks, not its partial third one.
     b = _salted(list(range(9)) + [99, 98, 97], "b")
     assert kv.find_cached_prefix(b) == 8
-    assert b.block_table == a.block_table[:2]
+    assert b.block_tables[0] == a.block_tables[0][:2]
     assert b.num_computed_tokens == 8
-    assert [kv.pool.ref_count(blk) for blk in b.block_table] == [2, 2]
+    assert [kv.pool.ref_count(blk) for blk in b.block_tables[0]] == [2, 2]
     # b computes its own blocks after the shared ones.
     assert kv.allocate(b, b.num_uncomputed_tokens)
-    assert len(b.block_table) == 3
-    assert b.block_table[2] not in a.block_table
+    assert len(b.block_tables[0]) == 3
+    assert b.block_tables[0][2] not in a.block_tables[0]
 
 
 def test_the_last_token_is_always_left_to_compute():

@@ -31,7 +31,7 @@ def _export(full: torch.Tensor, tp: int, start_block: int = 0) -> list[KVBlocks]
 @pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (2, 2), (4, 1)])
 def test_each_rank_takes_its_heads_in_order(src_tp, dst_tp):
     full = torch.randn(3, 2, 4, 5, 4, 8)
-    shares = [materialize(_export(full, src_tp, 2), r, dst_tp, 2) for r in range(dst_tp)]
+    shares = [materialize(_export(full, src_tp, 2), r, dst_tp) for r in range(dst_tp)]
     assert [(s.tp_rank, s.tp_size, s.start_block) for s in shares] == [
         (r, dst_tp, 2) for r in range(dst_tp)
     ]
@@ -39,14 +39,17 @@ def test_each_rank_takes_its_heads_in_order(src_tp, dst_tp):
     assert torch.equal(torch.cat([s.data for s in shares], dim=2), full)
 
 
-def test_a_share_starts_at_from_block():
+def test_a_share_holds_the_rows_asked_for_in_their_order():
     full = torch.randn(2, 2, 2, 6, 4, 8)
-    share = materialize(_export(full, 2, start_block=3), 0, 1, 5)
-    assert (share.start_block, share.num_blocks) == (5, 4)
+    export = _export(full, 2, start_block=3)
+    share = materialize(export, 0, 1, [2, 3, 4, 5])  # a run: a view of the data
+    assert (share.start_block, share.num_blocks) == (3, 4)
     assert torch.equal(share.data, full[:, :, :, 2:])
-    assert materialize(_export(full, 1, 3), 0, 1, 9).num_blocks == 0
-    with pytest.raises(ValueError, match="from_block=2"):
-        materialize(_export(full, 1, 3), 0, 1, 2)
+    # A suffix of each of two groups' runs, as a window-only handoff's importer takes.
+    assert torch.equal(materialize(export, 0, 1, [1, 2, 5]).data, full[:, :, :, [1, 2, 5]])
+    assert materialize(_export(full, 1, 3), 0, 1, []).num_blocks == 0
+    with pytest.raises(ValueError, match="among the 6 exported"):
+        materialize(_export(full, 1, 3), 0, 1, [6])
 
 
 def test_a_rank_fetches_only_the_parts_holding_its_heads():
@@ -54,10 +57,10 @@ def test_a_rank_fetches_only_the_parts_holding_its_heads():
     local = _export(full, 2)
     # Fetching rank 1's part would fail: its reference is not a Ray object.
     unreachable = KVRef(((0, 2, None),), local[1].shape, full.dtype, 1, 2)
-    share = materialize([local[0], unreachable], 0, 2, 0)
+    share = materialize([local[0], unreachable], 0, 2)
     assert torch.equal(share.data, full[:, :, :2])
     with pytest.raises(ValueError, match="cannot take a share"):
-        materialize(local, 0, 3, 0)
+        materialize(local, 0, 3)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ def _prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
         attn.bind_cache(torch.zeros(shape), torch.zeros(shape))
     meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n)])
     with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(n), meta))
+        return model.compute_logits(model(ids, torch.arange(n), [meta]))
 
 
 @pytest.mark.parametrize(

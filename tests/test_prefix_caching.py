@@ -228,7 +228,7 @@ def test_blocks_in_use_are_never_evicted(model_dir):
             results.setdefault(out.request_id, Result()).tokens += out.new_token_ids
         running = engine.scheduler.running
         for seq in running:
-            assert all(engine.kv.pool.ref_count(b) >= 1 for b in seq.block_table)
+            assert all(engine.kv.pool.ref_count(b) >= 1 for b in seq.block_tables[0])
     _drain(engine, results)
     assert events.evicted, "the workload was meant to force evictions"
     assert not held_hashes & set(events.evicted)
@@ -249,8 +249,8 @@ def test_abort_releases_shared_blocks_and_the_other_request_is_unaffected(model_
     for out in engine.step():
         results.setdefault(out.request_id, Result()).tokens += out.new_token_ids
         results[out.request_id].logprobs += [lp.logprob for lp in out.new_logprobs]
-    shared = engine.scheduler.running[0].block_table[:3]
-    assert engine.scheduler.running[1].block_table[:3] == shared
+    shared = engine.scheduler.running[0].block_tables[0][:3]
+    assert engine.scheduler.running[1].block_tables[0][:3] == shared
     assert [engine.kv.pool.ref_count(b) for b in shared] == [2, 2, 2]
     assert engine.abort("drop")
     assert [engine.kv.pool.ref_count(b) for b in shared] == [1, 1, 1]

@@ -109,7 +109,7 @@ def test_waiting_sequence_gets_nothing_when_running_ones_use_the_budget():
     sched.add(c)
     assert _ids(_step(sched)) == [("a", 1), ("b", 3)]  # b's prefill takes what a leaves
     assert list(sched.waiting) == [c]
-    assert c.block_table == []
+    assert c.block_tables == []
 
 
 def test_an_unfinished_prefill_keeps_its_place_ahead_of_newer_requests():

@@ -32,7 +32,7 @@ def test_newest_running_sequence_is_preempted_when_the_pool_runs_out():
     out = _step(sched)
     assert _ids(out) == [("a", 1), ("b", 1)]
     assert out.preempted == [c]
-    assert c.block_table == []
+    assert c.block_tables == []
     assert c.num_computed_tokens == 0
     assert c.status is SequenceStatus.WAITING
     assert c.num_preemptions == 1
@@ -105,7 +105,7 @@ def test_finish_frees_a_running_sequence():
     assert sched.kv.num_free_blocks == 4
     sched.finish(a)
     assert a.status is SequenceStatus.FINISHED
-    assert a.block_table == []
+    assert a.block_tables == []
     assert sched.running == [b]
     assert sched.kv.num_free_blocks == 7
     _check_invariants(sched)

@@ -27,14 +27,14 @@ def _caching_step(sched: Scheduler) -> SchedulerOutput:
 
 def _check_shared_invariants(sched: Scheduler) -> None:
     kv = sched.kv
-    tables = [seq.block_table for seq in sched.running]
+    tables = [seq.block_tables[0] for seq in sched.running]
     held = {b for table in tables for b in table}
     # Shared blocks are counted once per holder, and nothing else holds a block.
     for b in range(kv.num_blocks):
         assert kv.pool.ref_count(b) == sum(table.count(b) for table in tables)
     assert kv.num_free_blocks + len(held) == kv.num_blocks
     for seq in sched.waiting:
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert seq.block_tables == [] and seq.num_computed_tokens == 0
 
 
 def _prompted(request_id: str, tokens: list[int], max_tokens: int = 2) -> Sequence:
@@ -48,12 +48,12 @@ def test_admission_with_a_cache_hit_schedules_only_the_rest():
     _caching_step(sched)
     second = _prompted("second", list(range(9)) + [50, 51])
     sched.add(second)
-    first_blocks = list(first.block_table)
+    first_blocks = list(first.block_tables[0])
     out = _caching_step(sched)
     assert _ids(out) == [("first", 1), ("second", 3)]
     assert second.output_token_ids == [FAKE_TOKEN]  # the 3 tokens reached the end: sampled
     assert second.num_cached_tokens == 8
-    assert second.block_table[:2] == first_blocks[:2]
+    assert second.block_tables[0][:2] == first_blocks[:2]
     assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (10 + 11, 8)
     _check_shared_invariants(sched)
     _run_to_completion_shared(sched)
@@ -82,7 +82,7 @@ def test_failed_admission_gives_back_the_blocks_the_lookup_attached():
     sched.add(late)
     assert _ids(_caching_step(sched)) == [("hog", 1)]
     assert list(sched.waiting) == [late]
-    assert late.block_table == [] and late.num_computed_tokens == 0
+    assert late.block_tables == [] and late.num_computed_tokens == 0
     assert sched.prefix_cache_queries == 8 + 5  # the failed attempt is not counted
     _check_shared_invariants(sched)
     assert sched.kv.num_free_blocks == 2  # the cached blocks are free again, still cached
@@ -105,7 +105,7 @@ def test_a_preempted_sequence_finds_its_own_blocks_again():
         if out.preempted:
             break
     assert out.preempted == [b]
-    assert b.block_table == []
+    assert b.block_tables == []
     # b's freed blocks stay cached, but a's next block took the newest of them (a
     # sequence's tail is evicted first). Once a is done, b is readmitted and recomputes
     # only what is not cached.

@@ -24,7 +24,7 @@ def test_drafts_follow_the_decode_token():
     assert first.draft_token_ids == (5, 6, 7)
     assert first.samples and out.scheduled[1].samples
     # The drafts' slots are allocated: a's 4 tokens + 4 more span 2 blocks.
-    assert len(a.block_table) == 2
+    assert len(a.block_tables[0]) == 2
     _check_invariants(sched)
 
 

@@ -318,7 +318,7 @@ def test_a_sequence_holds_no_blocks_past_its_tokens_between_steps(model_dir):
     while engine.has_unfinished():
         engine.step()
         for seq in engine.scheduler.running:
-            assert len(seq.block_table) <= engine.kv.blocks_for_tokens(seq.num_tokens)
+            assert len(seq.block_tables[0]) <= engine.kv.blocks_for_tokens(seq.num_tokens)
     stats = engine.stats()
     assert stats.num_accepted_draft_tokens < stats.num_draft_tokens  # some were refused
     assert stats.num_free_blocks == stats.num_total_blocks

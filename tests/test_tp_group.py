@@ -32,14 +32,14 @@ def _steps() -> list[StepInput]:
     b = torch.randint(0, 320, (20,), generator=g).tolist()
     c = torch.randint(0, 320, (50,), generator=g).tolist()
     return [
-        StepInput([SeqChunk(a, 0, [0, 1, 2], True), SeqChunk(b, 0, [3, 4], True)]),
+        StepInput([SeqChunk(a, 0, [[0, 1, 2]], True), SeqChunk(b, 0, [[3, 4]], True)]),
         # With prompt logprobs from its 4th position on (of the tokens after them, 2 top).
         StepInput(
             [
                 SeqChunk(
                     c[:30],
                     0,
-                    [5, 6, 7, 8],
+                    [[5, 6, 7, 8]],
                     False,
                     prompt_targets=c[4:31],
                     prompt_from=3,
@@ -49,9 +49,9 @@ def _steps() -> list[StepInput]:
         ),
         StepInput(
             [
-                SeqChunk([7], 37, [0, 1, 2], True),
-                SeqChunk([9, 4, 5], 20, [3, 4], True, num_drafts=2),
-                SeqChunk(c[30:], 30, [5, 6, 7, 8], True),
+                SeqChunk([7], 37, [[0, 1, 2]], True),
+                SeqChunk([9, 4, 5], 20, [[3, 4]], True, num_drafts=2),
+                SeqChunk(c[30:], 30, [[5, 6, 7, 8]], True),
             ]
         ),
     ]

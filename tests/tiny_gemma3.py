@@ -23,6 +23,7 @@ def make_tiny_gemma3(
     sliding_window_pattern: int = 3,
     layer_types: list[str] | None = None,
     query_pre_attn_scalar: float = 24,
+    max_position_embeddings: int = 1024,
     eos_token_id: int = 0,
     seed: int = 0,
     **extra_config,
@@ -40,7 +41,7 @@ def make_tiny_gemma3(
         head_dim=head_dim,
         intermediate_size=intermediate_size,
         vocab_size=vocab_size,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position_embeddings,
         sliding_window=sliding_window,
         sliding_window_pattern=sliding_window_pattern,
         layer_types=layer_types,
@@ -85,7 +86,7 @@ def tp_rank_prefill_logits(
             attn.bind_cache(torch.zeros(shape), torch.zeros(shape))
         meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n)])
         with torch.inference_mode():
-            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(n), meta))
+            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(n), [meta]))
         if rank == 0:
             torch.save(logits, out)
     finally:

@@ -83,7 +83,7 @@ class DecodeHandoff:
 
     `prefill_pool` makes actor calls (its result carries ObjectRefs to the exported KV,
     which must stay references); `block_bytes` is one block of the prefill pool's
-    export, all layers and KV heads in its dtype."""
+    export, a KV-cache group's layers and all KV heads in its dtype."""
 
     def __init__(
         self,
@@ -266,8 +266,9 @@ class DecodeHandoff:
             return e
 
     def _handoff_bytes(self, num_tokens: int, have: int) -> int:
-        """What prefill will export for a prompt of which this replica holds `have` blocks."""
-        return (-(-num_tokens // self.block_size) - have) * self.block_bytes
+        """What prefill will export for a prompt of which this replica holds `have` blocks
+        (of a sliding-window layer, only the blocks its window reaches)."""
+        return self.engine.kv_layout.num_export_blocks(num_tokens, have) * self.block_bytes
 
     async def _recompute(
         self, request: EngineRequest, error: BaseException, cached_blocks: int

@@ -39,6 +39,7 @@ from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import EngineStats, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.errors import EngineDeadError, EngineOverloadedError
+from workers.kv.layout import KVLayout
 from workers.kv.transport import KVPart, KVRef
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import Tokenizer
@@ -80,6 +81,7 @@ class AsyncEngine:
         self.model_config: ModelConfig = engine.model_config
         self.tokenizer: Tokenizer = engine.tokenizer
         self.num_kv_blocks: int = engine.kv.num_blocks
+        self.kv_layout: KVLayout = engine.kv_layout
         self._thread = EngineThread(engine, max_pending_requests)
 
     @classmethod

@@ -8,12 +8,16 @@ from dataclasses import dataclass
 
 from workers.engine.block_hash import BlockHash
 
+# A cached block's name: its KV-cache group (kv_groups.py) and its content hash. The
+# groups' blocks of one prefix hold different layers, so each is cached on its own.
+BlockKey = tuple[int, BlockHash]
+
 
 @dataclass(frozen=True)
 class _Cached:
     """What a cached block holds, kept so a hash hit can be confirmed before reuse."""
 
-    block_hash: BlockHash
+    key: BlockKey
     parent: BlockHash
     token_ids: tuple[int, ...]
 
@@ -28,7 +32,7 @@ class BlockPool:
     `touch` can take it back out of the queue. Free therefore means reusable, not
     empty: a pool with every request finished is fully free.
 
-    Changes to the set of cached hashes are buffered as net "stored" / "evicted"
+    Changes to the set of cached keys are buffered as net "stored" / "evicted"
     events until `take_events`.
     """
 
@@ -40,10 +44,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
         self._contents: list[_Cached | None] = [None] * num_blocks
-        self._by_hash: dict[BlockHash, int] = {}
-        # hash -> True (stored) / False (evicted) since the last take_events; a store
-        # and an evict of the same hash in one batch cancel out.
-        self._events: dict[BlockHash, bool] = {}
+        self._by_key: dict[BlockKey, int] = {}
+        # key -> True (stored) / False (evicted) since the last take_events; a store
+        # and an evict of the same key in one batch cancel out.
+        self._events: dict[BlockKey, bool] = {}
 
     @property
     def num_free(self) -> int:
@@ -51,12 +55,12 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._by_hash)
+        return len(self._by_key)
 
-    def cached_hashes(self) -> list[BlockHash]:
-        """Every cached block's hash, in the order they were cached (a chain's parents
+    def cached_keys(self) -> list[BlockKey]:
+        """Every cached block's key, in the order they were cached (a chain's parents
         before its children)."""
-        return list(self._by_hash)
+        return list(self._by_key)
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -85,10 +89,8 @@ class BlockPool:
 
     # -- the cache -----------------------------------------------------------
 
-    def cache(
-        self, block: int, block_hash: BlockHash, parent: BlockHash, token_ids: Sequence[int]
-    ) -> None:
-        """Registers a held block's full, computed contents under `block_hash`.
+    def cache(self, block: int, key: BlockKey, parent: BlockHash, token_ids: Sequence[int]) -> None:
+        """Registers a held block's full, computed contents under `key`.
 
         If another block already holds the same contents (two requests computed the
         same prefix side by side), this one stays unregistered and is simply freed later.
@@ -97,26 +99,24 @@ class BlockPool:
             raise RuntimeError(f"block {block} is cached while nobody holds it")
         current = self._contents[block]
         if current is not None:
-            if current.block_hash != block_hash:
-                raise RuntimeError(
-                    f"block {block} holds {current.block_hash} and cannot become {block_hash}"
-                )
+            if current.key != key:
+                raise RuntimeError(f"block {block} holds {current.key} and cannot become {key}")
             return
-        if block_hash in self._by_hash:
+        if key in self._by_key:
             return
-        self._contents[block] = _Cached(block_hash, parent, tuple(token_ids))
-        self._by_hash[block_hash] = block
-        self._note(block_hash, stored=True)
+        self._contents[block] = _Cached(key, parent, tuple(token_ids))
+        self._by_key[key] = block
+        self._note(key, stored=True)
 
     def cached_block(
-        self, block_hash: BlockHash, parent: BlockHash, token_ids: Sequence[int]
+        self, key: BlockKey, parent: BlockHash, token_ids: Sequence[int]
     ) -> int | None:
         """The block holding exactly this parent and these tokens, or None.
 
         Comparing the parent hash and the token ids, not only the block's hash, means a
         hash collision can cost a recompute but never serve another prefix's K/V.
         """
-        block = self._by_hash.get(block_hash)
+        block = self._by_key.get(key)
         if block is None:
             return None
         held = self._contents[block]
@@ -133,10 +133,10 @@ class BlockPool:
                 del self._free[b]
             self._refs[b] += 1
 
-    def take_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(stored, evicted) hashes since the last call; the two lists never overlap."""
-        stored = [h for h, s in self._events.items() if s]
-        evicted = [h for h, s in self._events.items() if not s]
+    def take_events(self) -> tuple[list[BlockKey], list[BlockKey]]:
+        """(stored, evicted) keys since the last call; the two lists never overlap."""
+        stored = [k for k, s in self._events.items() if s]
+        evicted = [k for k, s in self._events.items() if not s]
         self._events.clear()
         return stored, evicted
 
@@ -145,11 +145,11 @@ class BlockPool:
         if held is None:
             return
         self._contents[block] = None
-        del self._by_hash[held.block_hash]
-        self._note(held.block_hash, stored=False)
+        del self._by_key[held.key]
+        self._note(held.key, stored=False)
 
-    def _note(self, block_hash: BlockHash, stored: bool) -> None:
-        if self._events.get(block_hash) is (not stored):
-            del self._events[block_hash]
+    def _note(self, key: BlockKey, stored: bool) -> None:
+        if self._events.get(key) is (not stored):
+            del self._events[key]
         else:
-            self._events[block_hash] = stored
+            self._events[key] = stored

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.scheduler import SchedulerConfig
+from workers.kv.kv_groups import KVCacheGroups
 from workers.kv.transport import check_transport
 from workers.model.config import ModelConfig
 from workers.runner.tp_group import TP_PLACEMENTS
@@ -17,9 +18,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def kv_cache_bytes_per_block(
     cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
 ) -> int:
-    """One KV block's bytes on one device (a TP rank holds its share of the KV heads)."""
+    """One KV block's bytes on one device (a TP rank holds its share of the KV heads): a
+    block holds one KV-cache group's layers (workers/kv/kv_groups.py)."""
     per_token = 2 * cfg.kv_heads_per_rank(tp_size) * cfg.head_dim * dtype.itemsize
-    return per_token * block_size * cfg.num_hidden_layers
+    return per_token * block_size * KVCacheGroups.of(cfg).group_size
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,7 @@ class EngineConfig:
         cache holds (as vLLM refuses to start)."""
         model_max = model.max_position_embeddings
         limit = min(self.max_model_len or model_max, model_max)
-        cache_tokens = self.num_blocks(model) * self.block_size
+        cache_tokens = self._cache_tokens(model, limit)
         if self.max_model_len is not None and limit > cache_tokens:
             raise ValueError(
                 f"max_model_len={self.max_model_len} is more than the KV cache's "
@@ -177,3 +179,17 @@ class EngineConfig:
                 "kv_cache_bytes or lower max_model_len"
             )
         return min(limit, cache_tokens)
+
+    def _cache_tokens(self, model: ModelConfig, limit: int) -> int:
+        """The longest sequence, up to `limit`, whose blocks the whole pool holds at
+        once (a sliding group holding its window and a step's tokens)."""
+        groups, blocks = KVCacheGroups.of(model), self.num_blocks(model)
+
+        def fits(n: int) -> bool:
+            return groups.blocks_needed(n, self.max_num_batched_tokens, self.block_size) <= blocks
+
+        lo, hi = 0, limit  # fits(lo); the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo

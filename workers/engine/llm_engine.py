@@ -72,9 +72,12 @@ class LLMEngine:
         per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, dtype, tp)
         num_blocks = config.num_blocks(self.model_config)
         self.kv_cache_bytes = num_blocks * per_block * tp  # all ranks together
+        # What a handoff's two engines must agree on, its KV-cache groups included.
+        self.kv_layout = layout = KVLayout.of(self.model_config, config.block_size)
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
+            groups=layout.groups,
             enable_prefix_caching=config.enable_prefix_caching,
             model_id=config.resolved_model_id(),
             on_events=on_kv_events,
@@ -95,7 +98,6 @@ class LLMEngine:
             self.runner = ModelRunner.from_spec(spec)
         else:
             self.runner = TPWorkerGroup(tp, spec, config.num_threads or 1, config.tp_placement)
-        layout = KVLayout.of(self.model_config, config.block_size)
         # A handoff moves one part per KV-head share (ranks replicating a head share one).
         kv_size = kv_shards(self.model_config.num_key_value_heads, tp)
         self.handoffs = PrefillExports(
@@ -271,7 +273,7 @@ class LLMEngine:
         return SeqChunk(
             s.seq.token_ids(start, start + s.num_own_tokens) + list(s.draft_token_ids),
             start,
-            s.seq.block_table,
+            s.seq.block_tables,
             s.samples,
             len(s.draft_token_ids),
             prompt_targets=targets,
@@ -366,7 +368,7 @@ class LLMEngine:
     ) -> int:
         """Decode side: how many of these leading full blocks this engine's prefix cache
         holds now (a hint for `export_kv`'s `skip_blocks`; nothing is reserved)."""
-        return len(self.kv.cached_blocks(list(block_hashes), list(token_ids), cache_salt))
+        return self.kv.num_cached_blocks(list(block_hashes), list(token_ids), cache_salt)
 
     def prefetch_kv(self, kv_parts: list[KVPart]) -> list[KVPart]:
         """Decode side, callable from any thread while steps run: moves a handoff's blocks
@@ -476,6 +478,7 @@ class LLMEngine:
             imports_waiting=len(self.imports.pending),
             kv_blocks_exported=self.handoffs.num_blocks_exported,
             kv_blocks_imported=self.imports.num_blocks_imported,
+            kv_blocks_exported_all_layers=self.handoffs.num_blocks_exported_all_layers,
             kv_blocks_reused_for_import=self.imports.num_blocks_reused,
             kv_export_s=self.handoffs.export_s,
             kv_import_s=self.imports.import_s,

@@ -77,6 +77,9 @@ class EngineStats:
     imports_waiting: int  # prefilled requests waiting for blocks to import into
     kv_blocks_exported: int
     kv_blocks_imported: int
+    # What those exports would have moved if every layer kept the whole context: with
+    # sliding-window layers, a handoff moves only the blocks their windows reach.
+    kv_blocks_exported_all_layers: int
     kv_blocks_reused_for_import: int  # taken from this engine's prefix cache instead
     kv_export_s: float  # seconds copying blocks out for handoffs, in total
     kv_import_s: float  # seconds writing handed-over blocks in, in total

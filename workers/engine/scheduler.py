@@ -158,15 +158,12 @@ class Scheduler:
     def _add_drafts(
         self, out: SchedulerOutput, drafts: Mapping[Sequence, list[int]], budget: int
     ) -> None:
-        block_size = self.kv.block_size
         for k, s in enumerate(out.scheduled):
             if budget <= 0:
                 break
             seq = s.seq
             # Slots left in the blocks seq holds and in the free ones, past this step's token.
-            room = (len(seq.block_table) + self.kv.num_free_blocks) * block_size - (
-                seq.num_computed_tokens + s.num_new_tokens
-            )
+            room = self.kv.free_token_slots(seq, seq.num_computed_tokens + s.num_new_tokens)
             guess = tuple(drafts.get(seq, ())[: min(budget, room)])
             if not guess:
                 continue

@@ -46,11 +46,13 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # Tokens (prompt and output alike) whose K/V are in the cache.
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # One block table per KV-cache group (kv_cache_manager.py); empty until the
+    # sequence is first given blocks.
+    block_tables: list[list[int]] = field(default_factory=list)
     # Chained hashes of the sequence's full blocks so far; tokens never change, so
     # they outlive preemption.
     block_hashes: list[BlockHash] = field(default_factory=list)
-    # Leading entries of block_table registered in the prefix cache.
+    # Leading entries of the block tables registered in the prefix cache.
     num_committed_blocks: int = 0
     # Prompt tokens whose K/V came from the prefix cache when first scheduled.
     num_cached_tokens: int = 0

@@ -9,6 +9,7 @@ tensor transport) is `transport.py`'s business.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,22 +19,21 @@ import torch
 
 @dataclass(frozen=True)
 class KVBlocks:
-    """One TP rank's slice of some consecutive blocks of one request.
+    """One TP rank's slice of the blocks of one request that a handoff moves.
 
-    `data` is `[num_layers, 2 (k, v), kv_heads_local, num_blocks, block_size, head_dim]`:
-    one buffer, so it crosses a process boundary as a single tensor; blocks sit
-    where a layer's cache `[kv_heads, num_slots, head_dim]` viewed as
-    `[kv_heads, num_blocks, block_size, head_dim]` has them, so export and
-    import are one index_select / index_copy_ per layer and tensor; and heads
-    come before blocks, so re-splitting heads between TP degrees cuts large
-    contiguous runs.
+    `data` is `[group_size, 2 (k, v), kv_heads_local, num_blocks, block_size, head_dim]`
+    (a block holds one KV-cache group's layers: workers/kv/kv_groups.py): one buffer, so
+    it crosses a process boundary as a single tensor; blocks sit where the cache
+    `[buffers, k/v, kv_heads, num_slots, head_dim]` viewed as blocks has them, so export
+    and import are one index_select / index_copy_; and heads come before blocks, so
+    re-splitting heads between TP degrees cuts large contiguous runs. The blocks are
+    each group's in turn, those its importer needs (KVLayout.spans).
     """
 
     data: torch.Tensor
     tp_rank: int
     tp_size: int
-    # Index of data's first block among the request's blocks (blocks before it
-    # were skipped because the importer already holds them).
+    # The request's leading blocks the export skipped (the importer holds them).
     start_block: int = 0
 
     @property
@@ -48,10 +48,6 @@ class KVBlocks:
     def num_blocks(self) -> int:
         return self.data.shape[3]
 
-    @property
-    def end_block(self) -> int:
-        return self.start_block + self.num_blocks
-
     def cpu(self) -> KVBlocks:
         """In host memory, as Ray's object store carries it."""
         return replace(self, data=self.data.cpu())
@@ -65,6 +61,20 @@ class KVBlocks:
         raw = data.view(-1).view(torch.uint8).numpy()
         fields = (self.tp_rank, self.tp_size, self.start_block)
         return (_kv_blocks_from_bytes, (raw, data.dtype, self.shape, *fields))
+
+
+def select_blocks(data: torch.Tensor, rows: Sequence[int] | None) -> torch.Tensor:
+    """Blocks `rows` (indices on the block axis, in order; None: all) of KVBlocks-shaped
+    `data`: a view for a run of consecutive blocks, a copy otherwise."""
+    if rows is None:
+        return data
+    rows = list(rows)
+    if not all(0 <= r < data.shape[3] for r in rows):
+        raise ValueError(f"blocks {rows} are not all among the {data.shape[3]} exported")
+    first = rows[0] if rows else 0
+    if rows == list(range(first, first + len(rows))):
+        return data[:, :, :, first : first + len(rows)]
+    return data.index_select(3, torch.tensor(rows, dtype=torch.long, device=data.device))
 
 
 def _kv_blocks_from_bytes(

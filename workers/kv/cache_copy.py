@@ -15,7 +15,8 @@ from workers.torch_threads import one_thread
 class KVCacheHolder(Protocol):
     """What export and import need of a runner (ModelRunner has it)."""
 
-    kv_cache: torch.Tensor  # [layers, k/v, kv heads, slots, head dim]
+    # [buffers (a KV-cache group's layers), k/v, kv heads, slots, head dim]
+    kv_cache: torch.Tensor
     block_size: int
     # The runner's share of the KV heads, of how many (its TP rank and degree unless
     # ranks replicate heads); KVBlocks carry them as their tp_rank / tp_size.
@@ -24,10 +25,10 @@ class KVCacheHolder(Protocol):
 
 
 def _blocked(runner: KVCacheHolder) -> torch.Tensor:
-    """The cache as [layers, k/v, kv heads, blocks, block size, head dim]: KVBlocks' layout."""
-    layers, two, heads, slots, dim = runner.kv_cache.shape
+    """The cache as [buffers, k/v, kv heads, blocks, block size, head dim]: KVBlocks' layout."""
+    buffers, two, heads, slots, dim = runner.kv_cache.shape
     size = runner.block_size
-    return runner.kv_cache.view(layers, two, heads, slots // size, size, dim)
+    return runner.kv_cache.view(buffers, two, heads, slots // size, size, dim)
 
 
 # Handoff copies run on the calling thread alone. On a machine whose cores a serving
@@ -40,7 +41,8 @@ def _blocked(runner: KVCacheHolder) -> torch.Tensor:
 def export_blocks(
     runner: KVCacheHolder, block_ids: Sequence[int], start_block: int = 0
 ) -> KVBlocks:
-    """Copies blocks `block_ids` of every layer out of `runner`'s cache (on its device)."""
+    """Copies blocks `block_ids` (whichever group's: a block holds all its group's layers)
+    out of `runner`'s cache (on its device)."""
     cache = _blocked(runner)
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
     with one_thread():
@@ -60,7 +62,7 @@ def import_blocks(runner: KVCacheHolder, block_ids: Sequence[int], kv: KVBlocks)
     if tuple(kv.data.shape) != expected:
         raise ValueError(
             f"KV data of shape {tuple(kv.data.shape)} does not fit this rank's cache: "
-            f"expected {expected} (layers, k/v, kv heads, blocks, block size, head dim)"
+            f"expected {expected} (buffers, k/v, kv heads, blocks, block size, head dim)"
         )
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
     with one_thread():

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from workers.kv.blocks import KVBlocks
+from workers.kv.blocks import KVBlocks, select_blocks
 from workers.kv.nixl_agent import install_nixl_agent
 
 TRANSPORTS = ("object_store", "nixl")
@@ -90,10 +90,6 @@ class KVRef:
     @property
     def num_blocks(self) -> int:
         return self.shape[3]
-
-    @property
-    def end_block(self) -> int:
-        return self.start_block + self.num_blocks
 
     @property
     def nbytes(self) -> int:
@@ -253,20 +249,14 @@ def materialize(
     parts: Sequence[KVPart],
     dst_rank: int,
     dst_tp: int,
-    from_block: int,
+    rows: Sequence[int] | None = None,
     device: str | torch.device = "cpu",
 ) -> KVBlocks:
     """Rank `dst_rank` of `dst_tp`'s share of one export (all source ranks' parts, in
-    rank order, already checked to agree): its KV heads, from request block
-    `from_block` on. Fetches only what holds some of those heads: the pieces that do
-    (see KVRef), or of an export cut for another TP degree, the parts that do, whole;
-    onto `device`'s kind of device (the importer's)."""
-    first = parts[0]
-    if not first.start_block <= from_block <= first.end_block:
-        raise ValueError(
-            f"from_block={from_block} is outside the exported blocks "
-            f"[{first.start_block}, {first.end_block})"
-        )
+    rank order, already checked to agree): its KV heads of the export's blocks `rows`
+    (indices into the export, in order; None: all of them). Fetches only what holds
+    some of those heads: the pieces that do (see KVRef), or of an export cut for another
+    TP degree, the parts that do, whole; onto `device`'s kind of device (the importer's)."""
     pieces = []
     for r, a, b in head_ranges(parts, dst_rank, dst_tp):
         part = parts[r]
@@ -274,6 +264,6 @@ def materialize(
             data = part.data[:, :, a:b]
         else:
             data = _fetch_heads(part, a, b, device)
-        pieces.append(data[:, :, :, from_block - part.start_block :])
+        pieces.append(select_blocks(data, rows))
     data = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
-    return KVBlocks(data, dst_rank, dst_tp, from_block)
+    return KVBlocks(data, dst_rank, dst_tp, parts[0].start_block)

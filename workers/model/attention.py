@@ -11,8 +11,12 @@ A step's tokens come flattened: first one token per decoding sequence, then the
 chunks of sequences being prefilled.
 
 A sliding-window layer (Gemma 3's local layers) attends, for a query at position p, to
-the keys at p - window + 1 .. p, as transformers' sliding mask does. The cache still
-holds the whole context; only what is read and the masks differ.
+the keys at p - window + 1 .. p, as transformers' sliding mask does. Its KV-cache group
+(workers/kv/kv_groups.py) holds only the blocks the window reaches; what the block
+tables hold before the window is never read.
+
+A step's metadata is one `AttentionMetadata` per KV-cache group: the groups' block
+tables, and so the slots a token writes, differ. Each layer reads its own group's.
 """
 
 from __future__ import annotations
@@ -35,24 +39,26 @@ class PrefillChunk:
 
     start: int
     length: int
-    # Slots of the whole context (cached prefix + this chunk) and the causal mask
-    # [length, context] over them; both None when the chunk starts the sequence
-    # and attends only to itself.
+    # Slots of the whole context (cached prefix + this chunk); None when the chunk
+    # starts the sequence and attends only to itself.
     context_slots: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
+    # The causal mask [length, context] over them, made by the first full-attention
+    # layer that reads it (a sliding group's chunk never needs it), then kept.
+    _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
     # window -> (slots, mask) for sliding layers, made once per step for all of them.
     _windowed: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=dict, init=False, repr=False
     )
 
-    @classmethod
-    def with_context(cls, start: int, length: int, context_slots: torch.Tensor) -> PrefillChunk:
-        ctx = context_slots.numel()
-        # Query i sits at context position ctx - length + i and sees keys up to
-        # it; SDPA's is_causal would align the diagonal to the top-left instead.
-        dev = context_slots.device
-        mask = torch.arange(ctx, device=dev) <= torch.arange(ctx - length, ctx, device=dev)[:, None]
-        return cls(start, length, context_slots, mask)
+    def causal_mask(self) -> torch.Tensor | None:
+        """[length, context], None for a chunk that starts the sequence (SDPA's is_causal)."""
+        if self._mask is None and self.context_slots is not None:
+            ctx, dev = self.context_slots.numel(), self.context_slots.device
+            # Query i sits at context position ctx - length + i and sees keys up to
+            # it; SDPA's is_causal would align the diagonal to the top-left instead.
+            queries = torch.arange(ctx - self.length, ctx, device=dev)
+            self._mask = torch.arange(ctx, device=dev) <= queries[:, None]
+        return self._mask
 
     def windowed(
         self, window: int, device: torch.device
@@ -154,19 +160,27 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_group = 0  # which of a step's AttentionMetadata this layer reads
         self._kernel = None  # Baton's CPU kernels, for a float32 cache on the CPU
 
-    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_group: int = 0) -> None:
+        """Binds this layer's cache buffers, addressed through group `kv_group`'s tables."""
+        self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, kv_group
         on_cpu = k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
         self._kernel = kernels.library() if on_cpu else None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        step: list[AttentionMetadata],
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]; `step`: one metadata per
+        KV-cache group."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("PagedAttention has no KV cache bound; call bind_cache first")
+        meta = step[self.kv_group]
         k_heads, v_heads = k.transpose(0, 1), v.transpose(0, 1)
         self._write_cache(k, v, meta.slot_mapping)
 
@@ -278,9 +292,10 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk
     ) -> torch.Tensor:
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        slots, mask = chunk.context_slots, chunk.mask
         if self.sliding_window is not None:
             slots, mask = chunk.windowed(self.sliding_window, q.device)
+        else:
+            slots, mask = chunk.context_slots, chunk.causal_mask()
         if slots is None:
             k, v = k.unsqueeze(0), v.unsqueeze(0)
         else:

@@ -13,6 +13,7 @@ import torch
 
 from workers.kv import cache_copy
 from workers.kv import transport as kv_transport
+from workers.kv.kv_groups import KVCacheGroups
 from workers.kv.transport import KVPart
 from workers.model.attention import AttentionMetadata, PrefillChunk
 from workers.model.loader import load_model
@@ -48,20 +49,29 @@ class ModelRunner:
             self.model.config.num_key_value_heads
         )
         self.num_blocks = num_blocks
+        self.groups = KVCacheGroups.of(self.model.config)
         layers = self.model.attention_layers()
         attn = layers[0]
-        # One tensor [layers, k/v, kv heads, slots, head dim] whose [layer, 0] and
-        # [layer, 1] each layer binds: a handoff's blocks then leave or enter every layer
-        # in one indexed copy, not one per layer and k/v (workers/kv/cache_copy.py).
-        # Zeros, not empty: masked-out padding slots are still multiplied by a zero
-        # weight, and 0 * NaN from uninitialised memory would poison it.
+        # One tensor [buffers, k/v, kv heads, slots, head dim]: a block holds one KV-cache
+        # group's layers, layer j of each group binding [j, 0] and [j, 1] (kv_groups.py).
+        # A handoff's blocks then leave or enter every layer in one indexed copy, not one
+        # per layer and k/v (workers/kv/cache_copy.py). Zeros, not empty: masked-out
+        # padding slots are still multiplied by a zero weight, and 0 * NaN from
+        # uninitialised memory would poison it.
         self.kv_cache = torch.zeros(
-            (len(layers), 2, attn.num_kv_heads, num_blocks * block_size, attn.head_dim),
+            (
+                self.groups.group_size,
+                2,
+                attn.num_kv_heads,
+                num_blocks * block_size,
+                attn.head_dim,
+            ),
             dtype=dtype,
             device=self.device,
         )
-        for layer, (k, v) in zip(layers, self.kv_cache, strict=True):
-            layer.bind_cache(k, v)
+        for layer, (group, buffer) in zip(layers, self.groups.placement(), strict=True):
+            k, v = self.kv_cache[buffer]
+            layer.bind_cache(k, v, group)
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRunner:
@@ -83,43 +93,23 @@ class ModelRunner:
         prefills = [i for i, c in enumerate(step.chunks) if len(c.token_ids) > 1]
         token_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[torch.Tensor] = []
         last_row: dict[int, int] = {}  # chunk index -> row of its last token
         first_row: dict[int, int] = {}  # and of its first
-        meta = AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.long), block_size=self.block_size
-        )
-
-        if decodes:
-            chunks = [step.chunks[i] for i in decodes]
-            for row, (i, c) in enumerate(zip(decodes, chunks, strict=True)):
-                token_ids.append(c.token_ids[0])
-                positions.append(c.start_pos)
-                first_row[i] = last_row[i] = row
-            tables, lengths = self._decode_context(chunks)
-            pos = torch.tensor(positions)
-            rows = torch.arange(len(chunks))
-            slot_mapping.append(
-                tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
-            )
-            meta.num_decode = len(chunks)
-            meta.decode_tables = tables.to(self.device)
-            meta.decode_lengths = lengths.to(self.device)
-
+        for row, i in enumerate(decodes):
+            c = step.chunks[i]
+            token_ids.append(c.token_ids[0])
+            positions.append(c.start_pos)
+            first_row[i] = last_row[i] = row
         for i in prefills:
             c = step.chunks[i]
             start, n = len(token_ids), len(c.token_ids)
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, c.start_pos + n))
-            slots = self._slots(c.block_table, c.start_pos + n)
-            slot_mapping.append(slots[c.start_pos :])
-            if c.start_pos == 0:
-                meta.prefills.append(PrefillChunk(start, n))
-            else:
-                meta.prefills.append(PrefillChunk.with_context(start, n, slots.to(self.device)))
             first_row[i], last_row[i] = start, start + n - 1
-
-        meta.slot_mapping = torch.cat(slot_mapping).to(self.device)
+        meta = [
+            self._metadata(group, [step.chunks[i] for i in decodes], step, prefills, first_row)
+            for group in range(self.groups.num_groups)
+        ]
         hidden = self.model(
             torch.tensor(token_ids, device=self.device),
             torch.tensor(positions, device=self.device),
@@ -140,6 +130,40 @@ class ModelRunner:
             if c.prompt_targets
         }
         return StepOutput(logits, prompt)
+
+    def _metadata(
+        self,
+        group: int,
+        decodes: list[SeqChunk],
+        step: StepInput,
+        prefills: list[int],
+        first_row: dict[int, int],
+    ) -> AttentionMetadata:
+        """KV-cache group `group`'s view of the step: the slots its tokens write, in the
+        flat batch's order, and the block tables and contexts its layers read."""
+        slot_mapping: list[torch.Tensor] = []
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long), block_size=self.block_size
+        )
+        if decodes:
+            tables, lengths = self._decode_context(decodes, group)
+            pos = torch.tensor([c.start_pos for c in decodes])
+            rows = torch.arange(len(decodes))
+            slot_mapping.append(
+                tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
+            )
+            meta.num_decode = len(decodes)
+            meta.decode_tables = tables.to(self.device)
+            meta.decode_lengths = lengths.to(self.device)
+        for i in prefills:
+            c = step.chunks[i]
+            n = len(c.token_ids)
+            slots = self._slots(c.block_tables[group], c.start_pos + n)
+            slot_mapping.append(slots[c.start_pos :])
+            context = slots.to(self.device) if c.start_pos else None
+            meta.prefills.append(PrefillChunk(first_row[i], n, context))
+        meta.slot_mapping = torch.cat(slot_mapping).to(self.device)
+        return meta
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first: int, c: SeqChunk) -> PromptLogprobRows:
         """The targets' logprobs and the top-n, `_PROMPT_ROWS` positions at a time: only
@@ -182,24 +206,28 @@ class ModelRunner:
     def release_prefetched(self, parts: list[KVPart]) -> None:
         """Nothing to release: prefetched parts live in the list `prefetch` returned."""
 
-    def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
-        """Writes this rank's KV heads of an export (every source rank's part, in rank
-        order), from request block `from_block` on, into `block_ids`."""
-        kv = kv_transport.materialize(parts, self.kv_rank, self.kv_size, from_block, self.device)
+    def import_blocks(self, block_ids: list[int], parts: list[KVPart], rows: list[int]) -> None:
+        """Writes this rank's KV heads of an export's blocks `rows` (every source rank's
+        part, in rank order) into `block_ids`."""
+        kv = kv_transport.materialize(parts, self.kv_rank, self.kv_size, rows, self.device)
         cache_copy.import_blocks(self, block_ids, kv)
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
-        """Cache slots of positions [0, num_tokens)."""
+        """Cache slots of positions [0, num_tokens); those of blocks behind a sliding
+        window (negative entries, none held) point into block 0 and are never read."""
         pos = torch.arange(num_tokens)
-        blocks = torch.tensor(block_table, dtype=torch.long)
+        blocks = torch.tensor(block_table, dtype=torch.long).clamp_(min=0)
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _decode_context(self, decodes: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables [B, max_blocks] (padded with block 0) and context lengths [B]."""
+    def _decode_context(
+        self, decodes: list[SeqChunk], group: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group `group`'s block tables [B, max_blocks] (padded with block 0, as are the
+        entries behind a sliding window) and context lengths [B]."""
         lengths = torch.tensor([c.start_pos + 1 for c in decodes])
         max_blocks = -(-int(lengths.max()) // self.block_size)
         tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for row, c in enumerate(decodes):
-            used = c.block_table[:max_blocks]
+            used = c.block_tables[group][:max_blocks]
             tables[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        return tables, lengths
+        return tables.clamp_(min=0), lengths

@@ -28,7 +28,9 @@ class Runner(Protocol):
         """Frees what prefetch moved, for an export that will not be imported."""
         ...
 
-    def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None: ...
+    def import_blocks(self, block_ids: list[int], parts: list[KVPart], rows: list[int]) -> None:
+        """Writes the export's blocks `rows` (indices into it) into `block_ids`."""
+        ...
 
     def live_exports(self) -> tuple[int, int]:
         """(objects, bytes) exported over a direct transport that importers still hold."""

@@ -15,7 +15,9 @@ class SeqChunk:
 
     token_ids: list[int]
     start_pos: int  # position of token_ids[0]; everything before is cached
-    block_table: list[int]
+    # One per KV-cache group (workers/kv/kv_groups.py); a sliding group's entries behind
+    # its window are negative (none held) and never read.
+    block_tables: list[list[int]]
     sample: bool  # the chunk ends the sequence's known tokens, so it yields logits
     # Speculated tokens ending the chunk; a sampling chunk then yields logits at each of
     # them and at the token before them.

@@ -164,9 +164,9 @@ class TPWorkerGroup:
             # Queued behind the rank's pull of it, if any (one thread, in order).
             _on_pull_thread(w.drop_staged).remote(key)
 
-    def import_blocks(self, block_ids: list[int], parts: list[KVPart], from_block: int) -> None:
-        """Writes each rank's KV heads of an export (every source rank's part, in rank
-        order), from request block `from_block` on, into `block_ids`.
+    def import_blocks(self, block_ids: list[int], parts: list[KVPart], rows: list[int]) -> None:
+        """Writes each rank's KV heads of an export's blocks `rows` (every source rank's
+        part, in rank order) into `block_ids`.
 
         KVRefs are pulled by the ranks themselves, here if `prefetch` has not done it yet
         (AsyncEngine always has, so the transfer costs no step). Parts already in this
@@ -180,11 +180,11 @@ class TPWorkerGroup:
                 self._staged.discard(key)
             if not staged:
                 self._pull(key, parts)
-            self._gather([w.import_staged.remote(block_ids, key, from_block) for w in ranks])
+            self._gather([w.import_staged.remote(block_ids, key, rows) for w in ranks])
             return
         local = kv_transport.fetch_all(parts, "cpu")  # to the ranks through Ray's object store
         shares = [
-            kv_transport.materialize(local, rank // self._ranks_per_share, self.kv_size, from_block)
+            kv_transport.materialize(local, rank // self._ranks_per_share, self.kv_size, rows)
             for rank in range(self.tp_size)
         ]
         self._gather(

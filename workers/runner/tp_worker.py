@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from workers.kv import cache_copy
 from workers.kv import transport as kv_transport
-from workers.kv.blocks import KVBlocks
+from workers.kv.blocks import KVBlocks, select_blocks
 from workers.kv.transport import KVPart, KVRef
 from workers.model.parallel import TPGroup
 from workers.runner.model_runner import ModelRunner
@@ -104,7 +104,7 @@ class TPWorker:
         try:
             device = self.runner.device if self.runner is not None else "cpu"
             kv_rank, kv_size = self._kv_share()
-            share = kv_transport.materialize(parts, kv_rank, kv_size, parts[0].start_block, device)
+            share = kv_transport.materialize(parts, kv_rank, kv_size, None, device)
             share = replace(share, data=share.data.contiguous())
         except (ValueError, RuntimeError) as e:  # KVTransferError and OOM are RuntimeErrors
             return f"TP rank {self.rank}: {e}"
@@ -124,14 +124,13 @@ class TPWorker:
     def drop_staged(self, key: str) -> None:
         self._staged.pop(key, None)
 
-    def import_staged(self, block_ids: list[int], key: str, from_block: int) -> None:
-        """Writes the share staged under `key`, from request block `from_block` on, into
+    def import_staged(self, block_ids: list[int], key: str, rows: list[int]) -> None:
+        """Writes the export's blocks `rows` of the share staged under `key` into
         `block_ids` and forgets it."""
         share = self._staged.pop(key, None)
         if share is None:
             raise RuntimeError(f"TP rank {self.rank} has no KV staged under {key!r}")
-        data = share.data[:, :, :, from_block - share.start_block :]
-        kv = replace(share, data=data, start_block=from_block)
+        kv = replace(share, data=select_blocks(share.data, rows))
         cache_copy.import_blocks(self._runner(), block_ids, kv)
 
     def live_exports(self) -> tuple[int, int]:

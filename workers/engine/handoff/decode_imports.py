@@ -27,7 +27,7 @@ class _Pending:
     seq: Sequence
     handle: KVHandle
     # The export as it arrived (one part per prefill rank); each of this engine's ranks
-    # takes its KV heads from `from_block` on, the blocks it lacks.
+    # takes its KV heads of the blocks it lacks: those past the `from_block` it holds.
     parts: list[KVPart]
     from_block: int
 
@@ -75,20 +75,21 @@ class DecodeImports:
                 seq.generator.set_state(state)
             except RuntimeError as e:
                 raise ValueError(f"handle.generator_state is not a generator's state: {e}") from e
-        cached = self.kv.cached_blocks(hashes, seq.prompt_token_ids, seq.cache_salt)
+        cached = self.kv.cached_prefix(hashes, seq.prompt_token_ids, seq.cache_salt)
+        have = len(cached[0])
         start = parts[0].start_block
-        if len(cached) < start:
+        if have < start:
             raise StalePrefixError(
                 f"the export skips {start} blocks but this engine now holds only "
-                f"{len(cached)} of them; export again with skip_blocks={len(cached)}",
-                len(cached),
+                f"{have} of them; export again with skip_blocks={have}",
+                have,
             )
         self.kv.attach(seq, cached)
         # Its hit rate then tells how much of the handed-over prompts decode already held.
-        self.scheduler.count_prefix_lookup(seq.num_prompt_tokens, len(cached) * bs)
+        self.scheduler.count_prefix_lookup(seq.num_prompt_tokens, have * bs)
         seq.num_cached_tokens = handle.num_cached_tokens
-        self.num_blocks_reused += len(cached)
-        self.pending.append(_Pending(seq, handle, parts, len(cached)))
+        self.num_blocks_reused += have
+        self.pending.append(_Pending(seq, handle, parts, have))
 
     def admit(
         self, max_running: int
@@ -105,15 +106,20 @@ class DecodeImports:
         for p in list(self.pending):
             if len(self.scheduler.running) >= max_running:
                 break
-            held = len(p.seq.block_table)
-            if not self.kv.allocate(p.seq, p.handle.num_tokens - p.seq.num_computed_tokens):
+            num_tokens = p.handle.num_tokens
+            if not self.kv.allocate_context(p.seq, num_tokens):
                 continue
             self.pending.remove(p)
-            new_blocks = p.seq.block_table[held:]
+            # Group after group, the blocks this engine lacks (KVLayout.spans), and where
+            # each is in the export.
+            spans = self.layout.spans(num_tokens, p.from_block)
+            tables = p.seq.block_tables
+            new_blocks = [b for t, (lo, hi) in zip(tables, spans, strict=True) for b in t[lo:hi]]
             if new_blocks:
+                rows = self.layout.import_rows(num_tokens, p.parts[0].start_block, p.from_block)
                 start = time.perf_counter()
                 try:
-                    self.runner.import_blocks(new_blocks, p.parts, p.from_block)
+                    self.runner.import_blocks(new_blocks, p.parts, rows)
                 except KVTransferError:
                     # Pulled here, not prefetched, from an exporter gone since: the
                     # request is this engine's to finish, from its prompt.
@@ -216,10 +222,10 @@ class DecodeImports:
                 f"{len(handle.block_hashes)} full blocks can be skipped"
             )
         shape = (
-            lay.num_layers,
+            lay.groups.group_size,
             2,
             lay.num_kv_heads // src_tp,
-            handle.num_blocks - start,
+            lay.num_export_blocks(handle.num_tokens, start),
             lay.block_size,
             lay.head_dim,
         )
@@ -232,5 +238,6 @@ class DecodeImports:
             if p.shape != shape:
                 raise ValueError(
                     f"kv_parts[{rank}] has shape {p.shape}, expected {shape} "
-                    "(layers, k/v, kv heads of the rank, blocks, block size, head dim)"
+                    "(layers of a KV-cache group, k/v, kv heads of the rank, blocks of "
+                    "every group, block size, head dim)"
                 )

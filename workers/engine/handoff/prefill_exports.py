@@ -43,6 +43,7 @@ class PrefillExports:
         self._held: dict[str, _Held] = {}
         self.num_expired = 0
         self.num_blocks_exported = 0
+        self.num_blocks_exported_all_layers = 0
         self.export_s = 0.0  # time spent copying blocks out, all exports together
 
     def __contains__(self, request_id: str) -> bool:
@@ -109,13 +110,22 @@ class PrefillExports:
                 dst_tp = kv_shards(heads, dst_tp)
             except ValueError as e:
                 raise ValueError(f"dst_tp={dst_tp}: {e}") from None
-        block_ids = held.seq.block_table[skip_blocks : held.handle.num_blocks]
+        # Group after group, the blocks decode lacks: past skip_blocks, and of a sliding
+        # group only those its window reaches from the next token (KVLayout.spans).
+        tables = held.seq.block_tables
+        spans = self.layout.spans(held.handle.num_tokens, skip_blocks)
+        block_ids = [b for table, (lo, hi) in zip(tables, spans, strict=True) for b in table[lo:hi]]
+        if min(block_ids, default=0) < 0:
+            raise RuntimeError(f"{request_id}: a handoff block behind its window was let go")
         start = time.perf_counter()
         parts = self.runner.export_blocks(
             block_ids, skip_blocks, transport or self.transport, dst_tp
         )
         self.export_s += time.perf_counter() - start
         self.num_blocks_exported += len(block_ids)
+        # What the same export would move if every layer kept the whole context.
+        unwindowed = (held.handle.num_blocks - skip_blocks) * len(spans)
+        self.num_blocks_exported_all_layers += unwindowed
         return held.handle, parts
 
     def release(self, request_id: str, handle: KVHandle | None = None) -> bool:

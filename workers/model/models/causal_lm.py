@@ -61,7 +61,7 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] for the flattened step batch."""
         return self.model(token_ids, positions, meta)

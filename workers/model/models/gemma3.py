@@ -76,7 +76,9 @@ class Attention(QKVAttention):
             sliding_window=cfg.layer_window(layer),
         )
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RopeTables, meta: list[AttentionMetadata]
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         tokens = qkv.shape[0]
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
@@ -106,7 +108,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         ropes: dict[str, RopeTables],
-        meta: AttentionMetadata,
+        meta: list[AttentionMetadata],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's post-feedforward output, the residual stream before it): as in
         llama.py, each output joins the stream in the next norm's pass."""
@@ -143,7 +145,7 @@ class Gemma3Model(nn.Module):
         self.norm = Gemma3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(token_ids) * self.embed_scale, None
         ropes = {kind: rotary.tables(positions) for kind, rotary in self.rotary.items()}

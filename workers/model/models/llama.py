@@ -29,7 +29,9 @@ class Attention(QKVAttention):
         super().__init__(cfg, tp, dtype)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RopeTables, meta: list[AttentionMetadata]
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         tokens = qkv.shape[0]
         # Q and K heads are rotated together in one pass.
@@ -52,7 +54,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         rope: RopeTables,
-        meta: AttentionMetadata,
+        meta: list[AttentionMetadata],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): each layer's output
         joins the stream in the next norm, so the add rides along with the norm."""
@@ -77,7 +79,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(token_ids), None
         rope = self.rotary.tables(positions)
