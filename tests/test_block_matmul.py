@@ -25,7 +25,16 @@ _HEAD = {"q4_1": 4, "q8_0": 2}
 
 
 def gguf_blocks(weight: np.ndarray, kind: str) -> tuple[WeightBlocks, np.ndarray]:
-    """`weight` quantized by gguf-py, as WeightBlocks and as gguf-py dequantizes it."""
+    """`weight` quantized by gguf-py, as WeightBlocks and as gguf-py dequantizes it; for
+    q8_16 (Q6_K's repacked form, which gguf-py cannot quantize), as a Q6_K file holds it:
+    6-bit values minus 32 and a float32 scale per 16 weights."""
+    if kind == "q8_16":
+        runs = weight.reshape(weight.shape[0], -1, 16)
+        scale = (np.abs(runs).max(axis=-1) / 31).astype(np.float32)
+        q = np.clip(np.rint(runs / scale[..., None]), -32, 31).astype(np.int8)
+        reference = (q.astype(np.float32) * scale[..., None]).reshape(weight.shape)
+        qs = q.view(np.uint8).reshape(weight.shape[0], -1)
+        return WeightBlocks(kind, torch.from_numpy(qs), torch.from_numpy(scale)), reference
     qtype = _TYPES[kind]
     raw = quantize(weight, qtype)
     rows, head = weight.shape[0], _HEAD[kind]
@@ -41,7 +50,7 @@ def gguf_blocks(weight: np.ndarray, kind: str) -> tuple[WeightBlocks, np.ndarray
     return out, dequantize(raw, qtype)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
 def test_blocks_dequantize_as_gguf_does(kind):
     weight = np.random.default_rng(0).standard_normal((40, 96)).astype(np.float32)
     blocks, reference = gguf_blocks(weight, kind)
@@ -49,7 +58,7 @@ def test_blocks_dequantize_as_gguf_does(kind):
     np.testing.assert_array_equal(blocks.dequantize().numpy(), reference)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 31, 32, 33, 64, 70, 100, 120])
 @pytest.mark.parametrize("columns", [128, 320])
 def test_matmul_equals_float32_on_the_dequantized_weight(kind, rows, columns):
@@ -65,7 +74,7 @@ def test_matmul_equals_float32_on_the_dequantized_weight(kind, rows, columns):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
 def test_the_batched_path_multiplies_by_exactly_the_dequantized_weights(kind):
     weight = np.random.default_rng(5).standard_normal((20, 64)).astype(np.float32)
     blocks, reference = gguf_blocks(weight, kind)

@@ -267,7 +267,7 @@ def test_the_config_reads_as_transformers_reads_it(fields):
         ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
         ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "type 'longrope'"),
         ({"layer_types": [FULL] * 3}, "each of the 7 layers"),
         ({"sliding_window": None}, "sliding_window=None"),
         (
@@ -287,7 +287,7 @@ def test_what_baton_does_not_run_is_refused_naming_the_field(fields, message):
 def test_an_unsupported_model_folder_is_refused_at_load(tmp_path):
     model_dir = make_tiny_gemma3(tmp_path)
     config = (model_dir / "config.json").read_text()
-    (model_dir / "config.json").write_text(config.replace('"gemma3_text"', '"gemma2"'))
+    (model_dir / "config.json").write_text(config.replace('"gemma3_text"', '"phi3"'))
     with pytest.raises(ValueError, match="supported model types: llama, mistral, qwen2"):
         load_model(model_dir)
 

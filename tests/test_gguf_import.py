@@ -18,7 +18,12 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from workers.model import gguf_import
-from workers.model.block_matmul import BLOCKS_FILE, WEIGHTS_DIGEST_KEY, BlockSource
+from workers.model.block_matmul import (
+    BLOCK_KINDS_KEY,
+    BLOCKS_FILE,
+    WEIGHTS_DIGEST_KEY,
+    BlockSource,
+)
 from workers.model.gguf_import import convert_gguf, unpermute_qk, write_blocks
 from workers.model.loader import weights_digest
 
@@ -176,6 +181,7 @@ def test_quantized_tensors_keep_their_blocks(tmp_path, make_tiny_gguf, tied):
         assert kinds.pop("format") == "pt"
         # Written for these weights (the loader ignores blocks of replaced ones).
         assert kinds.pop(WEIGHTS_DIGEST_KEY) == weights_digest(out)
+        assert kinds.pop(BLOCK_KINDS_KEY) == "q4_1,q8_0,q8_16"
         # Every matrix is kept: projections as Q4_1, embedding and output as Q8_0; the
         # norms (float32 in the GGUF) are not.
         assert set(kinds) == {n for n in expected if not n.endswith("norm.weight")}

@@ -19,9 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from workers.model import model_cache
-from workers.model.block_matmul import BLOCKS_FILE
+from workers.model.block_matmul import BLOCK_KINDS_KEY, BLOCKS_FILE
 from workers.model.bundled_model import BUNDLED_MODELS, DEFAULT_MODEL, bundled_model
 from workers.model.model_cache import (
     DEFAULT_MODEL_NAME,
@@ -110,6 +112,19 @@ def test_a_folder_converted_before_blocks_were_kept_gets_them(tmp_path, counting
         assert ensure_default_model(cache) == model
         assert blocks.read_bytes() == original
     assert len(counting_download) == 1
+
+
+def test_blocks_written_before_a_block_kind_existed_are_written_again(tmp_path, counting_download):
+    model = ensure_default_model(tmp_path / "cache")
+    blocks = model / BLOCKS_FILE
+    original = blocks.read_bytes()
+    tensors = load_file(blocks)
+    with safe_open(str(blocks), "pt") as f:
+        meta = dict(f.metadata())
+    # As a Baton before Q6_K's q8_16 form wrote them.
+    save_file(tensors, blocks, {**meta, BLOCK_KINDS_KEY: "q4_1,q8_0"})
+    assert ensure_default_model(tmp_path / "cache") == model
+    assert blocks.read_bytes() == original
 
 
 def test_kept_gguf_is_reused_when_folder_is_missing(tmp_path, counting_download):

@@ -17,18 +17,43 @@ BASE = {
 
 
 @pytest.mark.parametrize(
-    ("fields", "context"),
+    ("fields", "windows"),
     [
-        ({"model_type": "llama", "sliding_window": 4096}, 32768),  # Llama has no window
-        ({"model_type": "mistral", "sliding_window": 4096}, 4096),  # Mistral 7B v0.1
-        ({"model_type": "mistral", "sliding_window": None}, 32768),  # v0.2 and later
-        ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, 32768),
-        ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, 4096),
+        ({"model_type": "llama", "sliding_window": 4096}, [None, None]),  # Llama has none
+        ({"model_type": "mistral", "sliding_window": 4096}, [4096, 4096]),  # Mistral 7B v0.1
+        ({"model_type": "mistral", "sliding_window": None}, [None, None]),  # v0.2 and later
+        (
+            {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False},
+            [None, None],
+        ),
+        ({"model_type": "qwen2", "sliding_window": 4096}, [None, None]),  # off by default
+        (
+            {
+                "model_type": "qwen2",
+                "sliding_window": 4096,
+                "use_sliding_window": True,
+                "max_window_layers": 1,
+            },
+            [None, 4096],
+        ),
     ],
 )
-def test_a_sliding_window_caps_the_context_where_it_applies(fields, context):
-    # Whole-context attention equals the window's while the sequence fits in it.
-    assert ModelConfig.from_dict({**BASE, **fields}).max_position_embeddings == context
+def test_a_sliding_window_applies_to_the_layers_transformers_applies_it_to(fields, windows):
+    from transformers import AutoConfig
+
+    config = ModelConfig.from_dict({**BASE, **fields})
+    assert [config.layer_window(i) for i in range(2)] == windows
+    # The context stays the model's: sliding layers keep their window in the KV cache.
+    assert config.max_position_embeddings == 32768
+    if fields["model_type"] == "llama":
+        return  # its attention reads no sliding_window, whatever the config holds
+    reference = AutoConfig.for_model(**{**BASE, **fields})
+    # Mistral's attention takes the config's window on every layer; Qwen2 lists them.
+    kinds = (
+        getattr(reference, "layer_types", None)
+        or ["sliding_attention" if reference.sliding_window else "full_attention"] * 2
+    )
+    assert [w is not None for w in windows] == [k == "sliding_attention" for k in kinds]
 
 
 def test_an_mlp_activation_other_than_silu_is_refused():

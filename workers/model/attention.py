@@ -148,9 +148,12 @@ class PagedAttention(nn.Module):
         head_dim: int,
         scale: float | None = None,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ):
         """`scale` multiplies the scores (None: head_dim ** -0.5, SDPA's own default);
-        `sliding_window` limits each query to that many keys, itself included."""
+        `sliding_window` limits each query to that many keys, itself included;
+        `logit_softcap` caps the scores at cap * tanh(score / cap) (Gemma 2), which SDPA
+        cannot: such a layer attends by explicit softmax, as transformers' eager path."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -158,6 +161,7 @@ class PagedAttention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.kv_group = 0  # which of a step's AttentionMetadata this layer reads
@@ -167,7 +171,9 @@ class PagedAttention(nn.Module):
         """Binds this layer's cache buffers, addressed through group `kv_group`'s tables."""
         self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, kv_group
         on_cpu = k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
-        self._kernel = kernels.library() if on_cpu else None
+        # The decode kernel has no soft-cap: a capped layer takes the gathered path.
+        fits = on_cpu and self.logit_softcap is None
+        self._kernel = kernels.library() if fits else None
 
     def forward(
         self,
@@ -285,8 +291,38 @@ class PagedAttention(nn.Module):
         # the group), so each group of query heads meets its own KV head.
         q = q.view(batch, self.num_kv_heads, self.group, -1).transpose(0, 1)
         mask = bias.view(1, batch, 1, length)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        out = self._attend(q, k, v, mask)
         return out.transpose(0, 1).reshape(batch, self.num_heads, -1)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool = False,
+        gqa: bool = False,
+    ) -> torch.Tensor:
+        """SDPA, or with a soft-cap the same by explicit softmax: scores scaled, capped,
+        masked (a boolean mask keeps True, an additive one adds), softmax in float32."""
+        cap = self.logit_softcap
+        if cap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
+            )
+        if gqa:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scale = self.head_dim**-0.5 if self.scale is None else self.scale
+        scores = torch.tanh(q @ k.transpose(-1, -2) * scale / cap) * cap
+        if causal:  # the diagonal top-left, as SDPA's is_causal
+            n, m = scores.shape[-2:]
+            mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        elif mask is not None:
+            scores = scores + mask
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk
@@ -302,7 +338,5 @@ class PagedAttention(nn.Module):
             k = self.k_cache.index_select(1, slots).unsqueeze(0)
             v = self.v_cache.index_select(1, slots).unsqueeze(0)
         causal = mask is None  # a fresh chunk: its own keys, the diagonal top-left
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
-        )
+        out = self._attend(q, k, v, mask, causal=causal, gqa=True)
         return out.squeeze(0).transpose(0, 1)

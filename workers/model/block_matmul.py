@@ -1,14 +1,16 @@
 """Small-batch matmuls straight from a GGUF's quantized weight blocks.
 
-A model converted from a GGUF (gguf_import.py) keeps the file's Q4_1 and Q8_0 blocks
-beside its float32 weights. Decoding a few sequences streams every weight once per
-step, so its speed is memory bandwidth: float32 weights cost 4 bytes each, Q4_1 0.625
-and Q8_0 1.06. `csrc/block_matmul.c` reads the blocks and multiplies in float32 in
-registers, which is the same arithmetic as on the dequantized weights up to rounding
-order (the blocks *are* the model: the float32 copy was made from them). Batches of
-over 8 rows are compute-bound; the kernel then dequantizes a few weight rows at a time
-into cache and runs an outer-product micro-kernel over all rows at once, which beats
-oneDNN's float32 GEMM there. Prefill-sized batches stay with oneDNN (`MAX_ROWS`).
+A model converted from a GGUF (gguf_import.py) keeps the file's blocks, repacked into
+Q4_1, Q8_0 or Q8_16 (gguf_repack.py), beside its float32 weights. Decoding a few
+sequences streams every weight once per step, so its speed is memory bandwidth: float32
+weights cost 4 bytes each, Q4_1 0.625, Q8_0 1.06 and Q8_16 (Q8_0's bytes with a scale
+per 16 weights, Q6_K's form) 1.125. `csrc/block_matmul.c` reads the blocks and
+multiplies in float32 in registers, which is the same arithmetic as on the dequantized
+weights up to rounding order (the blocks *are* the model: the float32 copy was made
+from them). Batches of over 8 rows are compute-bound; the kernel then dequantizes a
+few weight rows at a time into cache and runs an outer-product micro-kernel over all
+rows at once, which beats oneDNN's float32 GEMM there. Prefill-sized batches stay with
+oneDNN (`MAX_ROWS`).
 
 The kernel is one of Baton's CPU kernels (kernels.py); without a compiler or AVX2 the
 model runs on its float32 weights alone, as every non-GGUF model does.
@@ -29,9 +31,15 @@ BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 # The file's metadata key for a digest of the float32 weights it was written beside
 # (loader.weights_digest): blocks of replaced weights must not be used.
 WEIGHTS_DIGEST_KEY = "weights_digest"
+# And for the block kinds its writer knew: a file written before a kind existed lacks
+# the tensors repacked into it, so it is written again.
+BLOCK_KINDS_KEY = "block_kinds"
 # Bytes of one block of 32 weights in `qs` (the scales and minimums are kept apart).
-QS_BYTES = {"q4_1": 16, "q8_0": 32}
-_KIND_IDS = {"q4_1": 0, "q8_0": 1}
+QS_BYTES = {"q4_1": 16, "q8_0": 32, "q8_16": 32}
+# Scales per block of 32: q8_16 has one per 16 weights.
+SCALES_PER_BLOCK = {"q4_1": 1, "q8_0": 1, "q8_16": 2}
+_KIND_IDS = {"q4_1": 0, "q8_0": 1, "q8_16": 2}
+KNOWN_KINDS = ",".join(sorted(QS_BYTES))
 # Rows up to which the block kernel beats oneDNN's float32 one over a whole model's
 # weights (not cached): past it, the float32 matmul's better reuse of each weight wins
 # (bench/RESULTS.md, "Model kernels").
@@ -41,7 +49,7 @@ MAX_ROWS = 128
 @dataclass(frozen=True)
 class WeightBlocks:
     """A weight [N, K] as GGUF blocks of 32 along K: `qs` uint8 [N, K / 32 * QS_BYTES],
-    `scale` and (Q4_1) `min` float32 [N, K / 32]."""
+    `scale` float32 [N, K / 32 * SCALES_PER_BLOCK] and (Q4_1) `min` float32 [N, K / 32]."""
 
     kind: str
     qs: torch.Tensor
@@ -51,15 +59,16 @@ class WeightBlocks:
     def __post_init__(self) -> None:
         if self.kind not in QS_BYTES:
             raise ValueError(f"block kind {self.kind!r} is not one of {sorted(QS_BYTES)}")
-        rows, blocks = self.scale.shape
+        rows, blocks = self.shape[0], self.shape[1] // BLOCK_SIZE
         assert self.qs.dtype == torch.uint8 and self.scale.dtype == torch.float32
+        assert self.scale.shape[1] % SCALES_PER_BLOCK[self.kind] == 0
         assert tuple(self.qs.shape) == (rows, blocks * QS_BYTES[self.kind])
-        assert (self.min is None) == (self.kind == "q8_0")
+        assert (self.min is None) == (self.kind != "q4_1")
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, blocks = self.scale.shape
-        return rows, blocks * BLOCK_SIZE
+        rows, scales = self.scale.shape
+        return rows, scales // SCALES_PER_BLOCK[self.kind] * BLOCK_SIZE
 
     @property
     def nbytes(self) -> int:
@@ -89,10 +98,11 @@ class WeightBlocks:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], as GGUF's reference dequantizes it."""
-        rows, blocks = self.scale.shape
-        qs = self.qs.view(rows, blocks, QS_BYTES[self.kind])
-        if self.kind == "q8_0":
-            return (qs.view(torch.int8).float() * self.scale[..., None]).view(self.shape)
+        rows, scales = self.scale.shape
+        if self.kind != "q4_1":  # int8 q, one scale per run of 32 (q8_0) or 16 (q8_16)
+            q = self.qs.view(torch.int8).view(rows, scales, -1).float()
+            return (q * self.scale[..., None]).view(self.shape)
+        qs = self.qs.view(rows, scales, QS_BYTES[self.kind])
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
         return (q * self.scale[..., None] + self.min[..., None]).view(self.shape)
 
@@ -136,8 +146,8 @@ class BlockSource:
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, blocks = self.f.get_slice(f"{self.name}.scale").get_shape()
-        return rows, blocks * BLOCK_SIZE
+        rows, scales = self.f.get_slice(f"{self.name}.scale").get_shape()
+        return rows, scales // SCALES_PER_BLOCK[self.kind] * BLOCK_SIZE
 
     def read(
         self, rows: slice = slice(None), columns: tuple[int, int] | None = None
@@ -152,7 +162,8 @@ class BlockSource:
         def part(suffix: str, lo: int, hi: int) -> torch.Tensor:
             return self.f.get_slice(f"{self.name}.{suffix}")[rows, lo:hi].contiguous()
 
+        per = SCALES_PER_BLOCK[self.kind]
         mins = part("min", b0, b1) if self.kind == "q4_1" else None
         return WeightBlocks(
-            self.kind, part("qs", b0 * size, b1 * size), part("scale", b0, b1), mins
+            self.kind, part("qs", b0 * size, b1 * size), part("scale", b0 * per, b1 * per), mins
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ MODEL_FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "llama",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
     "gemma3_text": "gemma3",
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
@@ -51,6 +54,25 @@ class LinearRopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (arXiv 2309.00071), Qwen's long-context setting: frequencies that turn fewer
+    than `beta_slow` times over the original context are slowed by `factor`, those that
+    turn more than `beta_fast` times are kept, a linear ramp between; cos and sin are
+    scaled by `attention_factor` (0.1 ln(factor) + 1 unless the config sets it), which
+    scales every attention score by its square."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+AnyRopeScaling = RopeScaling | LinearRopeScaling | YarnRopeScaling
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -69,7 +91,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     # Of full-attention layers; sliding layers take `local_rope_theta` unscaled if set.
-    rope_scaling: RopeScaling | LinearRopeScaling | None = None
+    rope_scaling: AnyRopeScaling | None = None
     hidden_act: str = "silu"
     # One per layer, transformers' names: FULL_ATTENTION or SLIDING_ATTENTION.
     layer_types: tuple[str, ...] = ()
@@ -79,6 +101,8 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # Scores scale by query_pre_attn_scalar ** -0.5 where set, else head_dim ** -0.5.
     query_pre_attn_scalar: float | None = None
+    # Scores and final logits capped at cap * tanh(x / cap) where set (Gemma 2).
+    attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
 
     @property
@@ -112,9 +136,10 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported{hint}; supported model types: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if MODEL_FAMILIES[model_type] == "gemma3":
-            raw = {**_GEMMA3_DEFAULTS, **raw}
-            return cls(**_common_fields(raw, model_type), **_gemma3_fields(raw))
+        family = MODEL_FAMILIES[model_type]
+        if family in _GEMMA_DEFAULTS:
+            raw = {**_GEMMA_DEFAULTS[family], **raw}
+            return cls(**_common_fields(raw, model_type), **_gemma_fields(raw, family))
         return cls(**_common_fields(raw, model_type), **_llama_fields(raw, model_type))
 
     @classmethod
@@ -187,29 +212,58 @@ def _llama_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     # Transformers 5 writes rope settings (theta included) as rope_parameters.
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     attention_bias = bool(raw.get("attention_bias", False))
-    layers = int(raw["num_hidden_layers"])
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    layer_types, window = _llama_layer_types(raw, model_type)
     return {
         "rope_theta": float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        "max_position_embeddings": _context_length(raw, model_type),
-        # Qwen2 always biases Q/K/V but not O; Llama's attention_bias covers all four.
+        "max_position_embeddings": max_positions,
+        # Qwen2 always biases Q/K/V but not O; Llama's and Qwen3's attention_bias covers
+        # all four.
         "qkv_bias": attention_bias or model_type == "qwen2",
         "o_proj_bias": attention_bias and model_type != "qwen2",
-        "rope_scaling": _parse_rope_scaling(rope, "rope_scaling"),
+        "rope_scaling": _parse_rope_scaling(rope, "rope_scaling", max_positions),
         "hidden_act": "silu",
-        "layer_types": (FULL_ATTENTION,) * layers,
+        "layer_types": layer_types,
+        "sliding_window": window,
     }
 
 
-def _context_length(raw: dict[str, Any], model_type: str) -> int:
-    """The context the model runs at here. Llama-family attention here is over the whole
-    context, which is what a sliding window (Mistral v0.1's 4096; Qwen2's when it turns
-    use_sliding_window on) attends to as long as the sequence fits in it: the context
-    stops at the window, so that output never differs from the model's own."""
-    length = int(raw.get("max_position_embeddings", 2048))
+def _llama_layer_types(raw: dict[str, Any], model_type: str) -> tuple[tuple[str, ...], int | None]:
+    """(layer_types, sliding_window) as transformers reads them: Mistral's window (v0.1's
+    4096) covers every layer; Qwen2's and Qwen3's, with use_sliding_window, the layers
+    from max_window_layers on (or as `layer_types` lists); Llama has none. The sliding
+    layers keep only their window in the KV cache, so the context stays the model's."""
+    layers = int(raw["num_hidden_layers"])
     window = raw.get("sliding_window")
-    if window and (model_type == "mistral" or raw.get("use_sliding_window")):
-        return min(length, int(window))
-    return length
+    if model_type == "mistral":
+        kind = SLIDING_ATTENTION if window else FULL_ATTENTION
+        return (kind,) * layers, int(window) if window else None
+    if model_type == "llama" or not raw.get("use_sliding_window"):
+        window = None
+    types = raw.get("layer_types")
+    if types is None:
+        first = int(raw.get("max_window_layers", layers)) if window else layers
+        types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers)]
+    return _checked_layer_types(types, layers, window)
+
+
+def _checked_layer_types(
+    types: list[str], layers: int, window: Any
+) -> tuple[tuple[str, ...], int | None]:
+    unknown = set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if len(types) != layers or unknown:
+        raise ValueError(
+            f"layer_types must list {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each of "
+            f"the {layers} layers; got {types!r}"
+        )
+    if SLIDING_ATTENTION not in types:
+        return tuple(types), None
+    if window is None or int(window) < 1:
+        raise ValueError(
+            f"sliding_window={window!r}: the config has sliding layers, so it needs a "
+            "window of 1 or more tokens"
+        )
+    return tuple(types), int(window)
 
 
 # Gemma3TextConfig's defaults, for keys a config.json leaves out (Gemma 2B's shapes; a
@@ -233,14 +287,38 @@ _GEMMA3_SLIDING_PATTERN = 6
 _GEMMA3_THETA = {FULL_ATTENTION: 1_000_000.0, SLIDING_ATTENTION: 10_000.0}
 
 
-def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's text model, read as transformers' Gemma3TextConfig reads it."""
+# Gemma2Config's defaults (Gemma 2 2B's shapes; every other layer sliding).
+_GEMMA2_DEFAULTS = {
+    "vocab_size": 256_000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+}
+_GEMMA_DEFAULTS = {"gemma2": _GEMMA2_DEFAULTS, "gemma3": _GEMMA3_DEFAULTS}
+
+
+def _gemma_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    """Gemma 2's and Gemma 3's text models, read as transformers' Gemma2Config and
+    Gemma3TextConfig read them."""
+    name = {"gemma2": "Gemma 2", "gemma3": "Gemma 3"}[family]
     if raw.get("use_bidirectional_attention"):
         raise ValueError(
-            "use_bidirectional_attention=true is not supported; Baton runs causal "
-            "(generative) Gemma 3 models"
+            f"use_bidirectional_attention=true is not supported; Baton runs causal "
+            f"(generative) {name} models"
         )
-    if raw.get("attn_logit_softcapping") is not None:
+    attn_cap = raw.get("attn_logit_softcapping")
+    if family == "gemma3" and attn_cap is not None:
         raise ValueError(
             "attn_logit_softcapping is not supported (Gemma 3 releases leave it null); "
             "set it to null"
@@ -248,16 +326,14 @@ def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ValueError(
-            f"hidden_activation {act!r} is not supported; Gemma 3 MLPs use 'gelu_pytorch_tanh'"
+            f"hidden_activation {act!r} is not supported; {name} MLPs use 'gelu_pytorch_tanh'"
         )
-    layer_types = _gemma3_layer_types(raw)
-    window = raw["sliding_window"]
-    if SLIDING_ATTENTION in layer_types and (window is None or int(window) < 1):
-        raise ValueError(
-            f"sliding_window={window!r}: the config has sliding layers, so it needs a "
-            "window of 1 or more tokens"
-        )
-    full_rope, local_rope = _gemma3_rope(raw)
+    if family == "gemma2":
+        layer_types, window = _gemma2_layer_types(raw)
+        full_rope = local_rope = _gemma2_rope(raw)
+    else:
+        layer_types, window = _gemma3_layer_types(raw)
+        full_rope, local_rope = _gemma3_rope(raw)
     softcap = raw.get("final_logit_softcapping")
     attention_bias = bool(raw.get("attention_bias", False))
     return {
@@ -269,16 +345,42 @@ def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "rope_scaling": _parse_rope_scaling(full_rope, "rope_parameters.full_attention"),
         "hidden_act": act,
         "layer_types": layer_types,
-        "sliding_window": None if window is None else int(window),
+        "sliding_window": window,
         "local_rope_theta": float(local_rope["rope_theta"]),
         "query_pre_attn_scalar": float(raw["query_pre_attn_scalar"]),
+        "attn_logit_softcapping": None if attn_cap is None else float(attn_cap),
         "final_logit_softcapping": None if softcap is None else float(softcap),
     }
 
 
-def _gemma3_layer_types(raw: dict[str, Any]) -> tuple[str, ...]:
-    """`layer_types`, or, in older configs, every `sliding_window_pattern`-th layer full
-    and the others sliding."""
+def _gemma2_layer_types(raw: dict[str, Any]) -> tuple[tuple[str, ...], int | None]:
+    """`layer_types`, or every other layer sliding from the first (Gemma2Config's)."""
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types") or [
+        SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(layers)
+    ]
+    return _checked_layer_types(types, layers, raw["sliding_window"])
+
+
+def _gemma2_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """The one rope every Gemma 2 layer takes; scaled rope (no release uses it) refused."""
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if _parse_rope_scaling(rope, "rope_parameters") is not None:
+        raise ValueError(
+            "rope_parameters: scaled rope on Gemma 2 is not supported; use rope_type 'default'"
+        )
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            "rope_parameters.partial_rotary_factor is not supported; Baton rotates the "
+            "whole head (1.0)"
+        )
+    rope.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
+    return rope
+
+
+def _gemma3_layer_types(raw: dict[str, Any]) -> tuple[tuple[str, ...], int | None]:
+    """(`layer_types`, or, in older configs, every `sliding_window_pattern`-th layer full
+    and the others sliding; the window)."""
     layers = int(raw["num_hidden_layers"])
     types = raw.get("layer_types")
     if types is None:
@@ -288,13 +390,7 @@ def _gemma3_layer_types(raw: dict[str, Any]) -> tuple[str, ...]:
             or _GEMMA3_SLIDING_PATTERN
         )
         types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers)]
-    unknown = set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}
-    if len(types) != layers or unknown:
-        raise ValueError(
-            f"layer_types must list {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each of "
-            f"the {layers} layers; got {types!r}"
-        )
-    return tuple(types)
+    return _checked_layer_types(types, layers, raw["sliding_window"])
 
 
 def _gemma3_rope(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -325,8 +421,10 @@ def _gemma3_rope(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _parse_rope_scaling(
-    raw: dict[str, Any] | None, field: str
-) -> RopeScaling | LinearRopeScaling | None:
+    raw: dict[str, Any] | None, field: str, max_positions: int | None = None
+) -> AnyRopeScaling | None:
+    """The rope scaling a config's rope_parameters (or rope_scaling) asks for; YaRN
+    without a factor takes the context over the original one, as transformers does."""
     if not raw:
         return None
     kind = raw.get("rope_type", raw.get("type"))
@@ -334,13 +432,47 @@ def _parse_rope_scaling(
         return None
     if kind == "linear":
         return LinearRopeScaling(factor=float(raw["factor"]))
+    if kind == "yarn":
+        return _yarn(raw, field, max_positions)
     if kind != "llama3":
         raise ValueError(
-            f"{field} type {kind!r} is not supported (supported: 'default', 'linear', 'llama3')"
+            f"{field} type {kind!r} is not supported (supported: 'default', 'linear', "
+            "'llama3', 'yarn')"
         )
     return RopeScaling(
         factor=float(raw["factor"]),
         low_freq_factor=float(raw["low_freq_factor"]),
         high_freq_factor=float(raw["high_freq_factor"]),
         original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+    )
+
+
+def _yarn(raw: dict[str, Any], field: str, max_positions: int | None) -> YarnRopeScaling:
+    original = raw.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError(f"{field}: YaRN needs original_max_position_embeddings")
+    original = int(original)
+    factor = raw.get("factor")
+    if factor is None:
+        if max_positions is None:
+            raise ValueError(f"{field}: YaRN needs a factor")
+        factor = max_positions / original
+    factor = float(factor)
+    if not factor >= 1.0:
+        raise ValueError(f"{field}: a YaRN factor must be >= 1, got {factor}")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = raw.get("attention_factor")
+    if attention is None:
+        m, m_all = raw.get("mscale"), raw.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return YarnRopeScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(raw.get("beta_fast") or 32.0),
+        beta_slow=float(raw.get("beta_slow") or 1.0),
+        attention_factor=float(attention),
+        truncate=bool(raw.get("truncate", True)),
     )

@@ -21,7 +21,12 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from workers.model.block_matmul import BLOCKS_FILE, WEIGHTS_DIGEST_KEY
+from workers.model.block_matmul import (
+    BLOCK_KINDS_KEY,
+    BLOCKS_FILE,
+    KNOWN_KINDS,
+    WEIGHTS_DIGEST_KEY,
+)
 from workers.model.gguf_arch import GGUFArch, gguf_arch, unpermute_qk
 from workers.model.gguf_metadata import GGUFMetadata
 from workers.model.gguf_repack import repack
@@ -128,9 +133,12 @@ def _write_blocks(
 ) -> None:
     """`BLOCKS_FILE` of the folder whose weights and config are written: each matrix
     gguf_repack.py repacks as `<hf name>.qs`, `.scale` (and `.min`), rows unpermuted as
-    `_hf_tensors` does for Llama's Q and K; the file's metadata holds their kinds and the
-    weights' digest. Written beside, then renamed into place."""
-    kinds: dict[str, str] = {WEIGHTS_DIGEST_KEY: weights_digest(model_dir)}
+    `_hf_tensors` does for Llama's Q and K; the file's metadata holds their kinds, the
+    weights' digest and the kinds this Baton knows. Written beside, then renamed into place."""
+    kinds: dict[str, str] = {
+        WEIGHTS_DIGEST_KEY: weights_digest(model_dir),
+        BLOCK_KINDS_KEY: KNOWN_KINDS,
+    }
 
     def arrays() -> Iterable[tuple[str, np.ndarray]]:
         for tensor in reader.tensors:

@@ -1,16 +1,19 @@
-"""A GGUF tensor's quantized blocks in the two forms the block kernel reads, exactly.
+"""A GGUF tensor's quantized blocks in the forms the block kernel reads, exactly.
 
-The kernel (block_matmul.py) multiplies by blocks of 32 weights that are either
-`q8_0` (an int8 per weight and one scale) or `q4_1` (a 4-bit q per weight, a scale and
-a minimum: w = q * scale + min). Several GGUF types are those forms in other packings:
+The kernel (block_matmul.py) multiplies by blocks of 32 weights that are `q8_0` (an
+int8 per weight and one scale), `q8_16` (the same with a scale per 16 weights) or
+`q4_1` (a 4-bit q per weight, a scale and a minimum: w = q * scale + min). Several GGUF
+types are those forms in other packings:
 
 - Q8_0 and Q4_1 are them, scales widened from float16 to float32;
 - Q5_0 (w = d * (q - 16), q of 5 bits) is q8_0 with int8 values q - 16;
 - Q4_K (superblocks of 256: eight sub-blocks of 32, each with a 6-bit scale and
-  minimum, w = d * sc * q - dmin * m) is q4_1 with scale d * sc and min -dmin * m.
+  minimum, w = d * sc * q - dmin * m) is q4_1 with scale d * sc and min -dmin * m;
+- Q6_K (superblocks of 256: sixteen sub-blocks of 16, each with an int8 scale,
+  w = d * sc * (q - 32), q of 6 bits) is q8_16 with int8 values q - 32, scale d * sc.
 
-So each of these repacks without changing a weight. Other types (Q6_K's sub-blocks
-of 16, Q5_K, Q2_K/Q3_K) have no such form and stay float32-only.
+So each of these repacks without changing a weight. Other types (Q5_K, Q2_K/Q3_K)
+have no such form and stay float32-only.
 """
 
 from __future__ import annotations
@@ -93,4 +96,24 @@ def _q4_k(raw: np.ndarray) -> tuple[str, dict]:
     }
 
 
-_REPACKERS = {_Q.Q8_0: _q8_0, _Q.Q4_1: _q4_1, _Q.Q5_0: _q5_0, _Q.Q4_K: _q4_k}
+def _q6_k(raw: np.ndarray) -> tuple[str, dict]:
+    # Superblock of 256 (210 bytes): 128 bytes of low nibbles, 64 of 2-bit high parts,
+    # 16 int8 sub-block scales, float16 d. Each half of 128 weights takes 64 low bytes
+    # (weights j and j + 64 of the half in byte j's low and high nibble, j < 64) and 32
+    # high bytes (bits 2i..2i+1 of byte j for weight 32 i + j).
+    rows = raw.shape[0]
+    sb = raw.reshape(rows, -1, 210)
+    n = sb.shape[1]
+    low = sb[:, :, :128].reshape(rows, n, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    low = (low & 0x0F).reshape(rows, n, 2, 4, 32)
+    high = sb[:, :, 128:192].reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    high = high & 0x03  # [rows, n, 2, 4, 32]
+    q = (low | (high << 4)).astype(np.int16) - 32  # weight 128 h + 32 i + j at [h, i, j]
+    scale = _f16(sb[:, :, 208:210])[..., None] * sb[:, :, 192:208].view(np.int8).astype(np.float32)
+    return "q8_16", {
+        "qs": q.astype(np.int8).view(np.uint8).reshape(rows, -1),
+        "scale": scale.reshape(rows, -1),
+    }
+
+
+_REPACKERS = {_Q.Q8_0: _q8_0, _Q.Q4_1: _q4_1, _Q.Q5_0: _q5_0, _Q.Q4_K: _q4_k, _Q.Q6_K: _q6_k}

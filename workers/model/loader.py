@@ -13,7 +13,9 @@ from safetensors import SafetensorError, safe_open
 
 from workers.model import kernels
 from workers.model.block_matmul import (
+    BLOCK_KINDS_KEY,
     BLOCKS_FILE,
+    KNOWN_KINDS,
     WEIGHTS_DIGEST_KEY,
     BlockSource,
 )
@@ -139,7 +141,7 @@ def load_blocks(model: CausalLM, model_dir: Path) -> None:
     modules = dict(model.named_modules())
     with safe_open(str(path), framework="pt") as f:
         for name, kind in (f.metadata() or {}).items():
-            if name in ("format", WEIGHTS_DIGEST_KEY):
+            if name in ("format", WEIGHTS_DIGEST_KEY, BLOCK_KINDS_KEY):
                 continue
             module_path, _, shard_id = _resolve(name, model.packed_modules)
             if module_path == "model.embed_tokens" and model.config.tie_word_embeddings:
@@ -150,16 +152,20 @@ def load_blocks(model: CausalLM, model_dir: Path) -> None:
 
 
 def blocks_match_weights(model_dir: Path) -> bool:
-    """Whether the folder has a `BLOCKS_FILE` written beside its current weights."""
+    """Whether the folder has a `BLOCKS_FILE` written beside its current weights, by a
+    Baton that knew every block kind this one does."""
     path = Path(model_dir) / BLOCKS_FILE
     if not path.is_file():
         return False
     try:
         with safe_open(str(path), framework="pt") as f:
-            written_for = (f.metadata() or {}).get(WEIGHTS_DIGEST_KEY)
+            meta = f.metadata() or {}
     except SafetensorError:  # a torn or foreign file: as good as none
         return False
-    return written_for == weights_digest(model_dir)
+    return (
+        meta.get(WEIGHTS_DIGEST_KEY) == weights_digest(model_dir)
+        and meta.get(BLOCK_KINDS_KEY) == KNOWN_KINDS
+    )
 
 
 def _parts(param: str, packed: PackedModules) -> set[str]:

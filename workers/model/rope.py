@@ -8,17 +8,17 @@ import torch
 from torch import nn
 
 from workers.model import kernels
-from workers.model.config import LinearRopeScaling, RopeScaling
+from workers.model.config import AnyRopeScaling, LinearRopeScaling, YarnRopeScaling
 
 
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | None
-) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: AnyRopeScaling | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if scaling is None:
         return inv_freq
     if isinstance(scaling, LinearRopeScaling):
         return inv_freq / scaling.factor
+    if isinstance(scaling, YarnRopeScaling):
+        return _yarn_inv_freq(head_dim, theta, scaling)
     # Llama 3: long wavelengths are slowed by `factor`, short ones kept, and the
     # band in between interpolated smoothly.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -31,6 +31,33 @@ def rope_inv_freq(
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(in_band, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: YarnRopeScaling) -> torch.Tensor:
+    """Per frequency, the interpolated (slowed by `factor`) and the original one mixed by
+    a ramp over the dimensions whose rotations over the original context fall between
+    beta_fast and beta_slow, as transformers' YaRN computes it."""
+    original = scaling.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:
+        """The dimension whose frequency turns `rotations` times over the original context."""
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    keep = 1 - ramp  # 1 where the original frequency is kept (fast-turning dimensions)
+    return (1.0 / (scaling.factor * freqs)) * (1 - keep) + (1.0 / freqs) * keep
+
+
+def rope_attention_factor(scaling: AnyRopeScaling | None) -> float:
+    """What cos and sin are multiplied by (YaRN's attention scaling; else 1)."""
+    return scaling.attention_factor if isinstance(scaling, YarnRopeScaling) else 1.0
 
 
 # CPU tables grow in chunks of this many positions as longer sequences arrive: a
@@ -56,12 +83,13 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: RopeScaling | LinearRopeScaling | None = None,
+        scaling: AnyRopeScaling | None = None,
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         self.max_positions = max_positions
         self.dtype = dtype
+        self.attention_factor = rope_attention_factor(scaling)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
         self.register_buffer("cos", torch.empty(0, head_dim, dtype=dtype), persistent=False)
         self.register_buffer("sin", torch.empty(0, head_dim, dtype=dtype), persistent=False)
@@ -87,6 +115,8 @@ class RotaryEmbedding(nn.Module):
         rows = torch.arange(start, positions, dtype=torch.float32, device=device)
         freqs = torch.outer(rows, self.inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         self.cos = torch.cat([self.cos, torch.cat((cos, cos), -1).to(self.dtype)])
         self.sin = torch.cat([self.sin, torch.cat((-sin, sin), -1).to(self.dtype)])
 

@@ -3,6 +3,7 @@
  * Q4_1: w = scale * q + min with q in [0, 15], 16 bytes per block, byte j holding q[j]
  *       in its low nibble and q[j + 16] in its high one (GGUF's own layout).
  * Q8_0: w = scale * q with q in [-128, 127], 32 bytes per block.
+ * Q8_16: Q8_0's bytes with a scale per 16 weights, two per block (Q6_K, repacked).
  *
  * The weights stay 4 / 8 bits in memory and become float32 in registers, so a decode
  * step that streams every weight once reads 6.4x / 3.8x fewer bytes than a float32
@@ -22,7 +23,7 @@
 #define MAX_ROWS 8    /* rows of x per pass: 4 weight vectors + 8 accumulators fit in 16 ymm */
 #define N_CHUNK 16    /* weight rows one thread takes at a time; they stay in L1 across passes */
 
-enum { Q4_1 = 0, Q8_0 = 1 };
+enum { Q4_1 = 0, Q8_0 = 1, Q8_16 = 2 };
 
 static inline __attribute__((always_inline)) void unpack(int kind, const uint8_t *p, __m256 q[4]) {
   if (kind == Q4_1) {
@@ -54,6 +55,19 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t b = 0; b < nb; ++b) {
       __m256 q[4];
       unpack(kind, row + b * block_bytes, q);
+      if (kind == Q8_16) {
+        const __m256 s0 = _mm256_set1_ps(scale[2 * (n * nb + b)]);
+        const __m256 s1 = _mm256_set1_ps(scale[2 * (n * nb + b) + 1]);
+        for (int r = 0; r < R; ++r) {
+          const float *xr = x + (m0 + r) * K + b * BLOCK;
+          __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
+          t0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xr + 8), t0);
+          __m256 t1 = _mm256_mul_ps(q[2], _mm256_loadu_ps(xr + 16));
+          t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), t1);
+          acc[r] = _mm256_fmadd_ps(t1, s1, _mm256_fmadd_ps(t0, s0, acc[r]));
+        }
+        continue;
+      }
       const __m256 s = _mm256_set1_ps(scale[n * nb + b]);
       for (int r = 0; r < R; ++r) {
         const float *xr = x + (m0 + r) * K + b * BLOCK;
@@ -118,10 +132,12 @@ static inline __attribute__((always_inline)) void dequantize_rows(
       const int64_t i = (n0 + r) * nb + (k0 + k) / BLOCK;
       __m256 q[4];
       unpack(kind, qs + i * block_bytes, q);
-      const __m256 s = _mm256_set1_ps(scale[i]);
+      /* Q8_16: the first two vectors take the block's first scale, the others its second. */
+      const __m256 s = _mm256_set1_ps(kind == Q8_16 ? scale[2 * i] : scale[i]);
+      const __m256 s_hi = kind == Q8_16 ? _mm256_set1_ps(scale[2 * i + 1]) : s;
       const __m256 m = kind == Q4_1 ? _mm256_set1_ps(min[i]) : _mm256_setzero_ps();
       for (int j = 0; j < 4; ++j) {
-        __m256 v = _mm256_mul_ps(q[j], s);
+        __m256 v = _mm256_mul_ps(q[j], j < 2 ? s : s_hi);
         if (kind == Q4_1) v = _mm256_add_ps(v, m);
         _mm256_storeu_ps(w + r * KC + k + 8 * j, v);
       }
@@ -247,8 +263,10 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
       const int64_t n0 = c * NC, n1 = n0 + NC < N ? n0 + NC : N;
       if (kind == Q4_1)
         panel_chunk(Q4_1, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
-      else
+      else if (kind == Q8_0)
         panel_chunk(Q8_0, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+      else
+        panel_chunk(Q8_16, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
     }
     free(w);
     free(yt);
@@ -257,12 +275,13 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
   return status;
 }
 
-/* kind: Q4_1 or Q8_0; min is ignored (may be NULL) for Q8_0. Returns 0, or -1 when
- * K is not a whole number of blocks or scratch memory ran out. */
+/* kind: Q4_1, Q8_0 or Q8_16; min is ignored (may be NULL) but for Q4_1. Returns 0, or
+ * -1 when K is not a whole number of blocks, the kind is unknown or scratch memory ran
+ * out. */
 int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                        const float *scale, const float *min, float *y, int64_t N,
                        int num_threads) {
-  if (K % BLOCK != 0 || (kind != Q4_1 && kind != Q8_0)) return -1;
+  if (K % BLOCK != 0 || (kind != Q4_1 && kind != Q8_0 && kind != Q8_16)) return -1;
   if (M > MAX_ROWS) return panel_matmul(kind, x, M, K, qs, scale, min, y, N, num_threads);
   const int64_t nb = K / BLOCK;
   float *block_sums = NULL;
@@ -282,8 +301,10 @@ int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uin
     const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
     if (kind == Q4_1)
       chunk(Q4_1, x, M, K, qs, scale, min, block_sums, y, N, n0, n1);
-    else
+    else if (kind == Q8_0)
       chunk(Q8_0, x, M, K, qs, scale, min, block_sums, y, N, n0, n1);
+    else
+      chunk(Q8_16, x, M, K, qs, scale, min, block_sums, y, N, n0, n1);
   }
   free(block_sums);
   return 0;

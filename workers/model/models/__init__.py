@@ -1,18 +1,22 @@
-"""The model families, one readable module each (`llama.py`, `gemma3.py`), and the
-registry that picks a config's (by `ModelConfig.family`, from its model_type; config.py
-refuses the model types no family runs)."""
+"""The model families, one readable module each (`llama.py`, `qwen3.py`, `gemma3.py`,
+`gemma2.py`), and the registry that picks a config's (by `ModelConfig.family`, from its
+model_type; config.py refuses the model types no family runs)."""
 
 from __future__ import annotations
 
 from workers.model.config import ModelConfig
 from workers.model.models.causal_lm import CausalLM
+from workers.model.models.gemma2 import Gemma2ForCausalLM
 from workers.model.models.gemma3 import Gemma3ForCausalLM
 from workers.model.models.llama import LlamaForCausalLM
+from workers.model.models.qwen3 import Qwen3ForCausalLM
 
 # ModelConfig.family -> the class that runs it.
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
 }
 
 
@@ -20,4 +24,11 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
     return MODEL_CLASSES[cfg.family]
 
 
-__all__ = ["CausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "model_class"]
+__all__ = [
+    "CausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "model_class",
+]

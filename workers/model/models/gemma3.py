@@ -92,12 +92,14 @@ class Attention(QKVAttention):
 
 
 class DecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = Attention
+
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_type = cfg.layer_types[layer]
         self.input_layernorm = Gemma3RMSNorm(hidden, eps)
-        self.self_attn = Attention(cfg, layer, tp, dtype)
+        self.self_attn = self.attention_class(cfg, layer, tp, dtype)
         self.post_attention_layernorm = Gemma3RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = Gemma3RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act, tp, dtype)
@@ -122,6 +124,8 @@ class DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
@@ -140,7 +144,7 @@ class Gemma3Model(nn.Module):
             }
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers)
+            self.layer_class(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers)
         )
         self.norm = Gemma3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,7 +1,9 @@
 """The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2) as one readable model.
 
-Tensor parallelism lives inside the layers (see `parallel.py`): with a
-single-rank `TPGroup` this is a plain dense model.
+Layers a config makes sliding (Mistral v0.1's window; Qwen2's with use_sliding_window)
+attend to their window. Tensor parallelism lives inside the layers (see `parallel.py`):
+with a single-rank `TPGroup` this is a plain dense model. Qwen3 (`qwen3.py`) is this
+model with its own attention layer.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(QKVAttention):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__(cfg, tp, dtype)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, cfg.head_dim, sliding_window=cfg.layer_window(layer)
+        )
 
     def forward(
         self, x: torch.Tensor, rope: RopeTables, meta: list[AttentionMetadata]
@@ -42,10 +46,12 @@ class Attention(QKVAttention):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+    attention_class: type[nn.Module] = Attention
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, tp, dtype)
+        self.self_attn = self.attention_class(cfg, layer, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", tp, dtype)
 
@@ -67,6 +73,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
@@ -74,7 +82,7 @@ class LlamaModel(nn.Module):
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers)
+            self.layer_class(cfg, layer, tp, dtype) for layer in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
