@@ -5,7 +5,8 @@ tokens), aggregate tokens/s at 8 and 32 concurrent requests (128 new tokens
 each), TTFT of a 512- and a 2,048-token prompt, and ratio.*.engine_over_hf for
 each; the KV cache's bytes per token, with every layer keeping the whole context and
 as an 8k-token sequence holds them, and a 2,048-token handoff's bytes (kv_figures).
---model picks a bundled model (its GGUF is what transformers loads). The single stream
+--model picks a bundled model (its GGUF is what transformers loads) or a Hugging Face
+folder (bench/random_moe.py writes a mixture of experts of realistic shape). The single stream
 is also measured with n-gram speculative decoding on both sides
 (`engine_ngram`: EngineConfig.speculative; `hf_ngram`: generate's prompt lookup
 with as many tokens), each against plain transformers and against the other.
@@ -14,7 +15,7 @@ median, since absolute speed drifts on a shared 2-core machine. Both run in
 --dtype (float32 by default; bfloat16 is the fast path on CPUs with AMX or
 AVX512-BF16) on --device (cpu by default, or cuda), which every line carries.
 
-    .venv/bin/python bench/engine.py [--model smollm2-135m-instruct|gemma3-270m] [--rounds 2]
+    .venv/bin/python bench/engine.py [--model smollm2-135m-instruct|gemma3-270m|DIR] [--rounds 2]
         [--threads 2] [--dtype float32] [--device cpu]
 """
 
@@ -25,6 +26,7 @@ import os
 import time
 import uuid
 from dataclasses import asdict, replace
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -112,7 +114,11 @@ def kv_figures(engine: LLMEngine) -> list[tuple[str, float, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(BUNDLED_MODELS), default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a bundled model ({', '.join(sorted(BUNDLED_MODELS))}) or a Hugging Face folder",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=min(2, cpu_count()))
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -122,8 +128,14 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    model_dir = ensure_model(BUNDLED_MODELS[args.model])
-    gguf = ensure_gguf(BUNDLED_MODELS[args.model])
+    if args.model in BUNDLED_MODELS:
+        model_dir = ensure_model(BUNDLED_MODELS[args.model])
+        gguf = ensure_gguf(BUNDLED_MODELS[args.model])
+        # transformers loads the bundled model's own GGUF file.
+        reference = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name}
+    else:
+        model_dir = Path(args.model)
+        reference = {"pretrained_model_name_or_path": str(model_dir)}
     # Prefix caching off: rounds repeat the same prompts, and a cache hit would
     # measure the cache (bench/prefix_cache.py does), not the engine against HF.
     config = EngineConfig(
@@ -137,11 +149,9 @@ def main() -> None:
     speculative = SpeculativeConfig()
     engine_ngram = LLMEngine(replace(config, speculative=speculative))
     lookup = {"prompt_lookup_num_tokens": speculative.num_tokens}
-    log("loading transformers' reference from the GGUF file")
+    log(f"loading transformers' reference from {reference['pretrained_model_name_or_path']}")
     hf = (
-        AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
-        )
+        AutoModelForCausalLM.from_pretrained(**reference, dtype=getattr(torch, args.dtype))
         .eval()
         .to(args.device)
     )

@@ -5,8 +5,10 @@ from the prefix cache, across TP ranks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from test_llama import _prefill_logits
 from tiny_model import random_prompts, save_folder
@@ -106,3 +108,92 @@ def assert_tp_ranks_match_one(tmp_path: Path, model_dir: Path, world: int = 2) -
         join=True,
     )
     torch.testing.assert_close(torch.load(out), expected, atol=1e-4, rtol=1e-4)
+
+
+# A small model of each newly ported architecture, as its transformers classes write it.
+_SHAPES = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+    "eos_token_id": 0,
+    "bos_token_id": None,
+    "pad_token_id": 0,
+}
+ARCHITECTURES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"intermediate_size": 128}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"intermediate_size": 128, "sliding_window": 20, "query_pre_attn_scalar": 64},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2},
+    ),
+}
+
+
+def make_architecture(name: str, out_dir: Path) -> Path:
+    """A random-weight model of architecture `name` (ARCHITECTURES) in `out_dir`."""
+    import transformers
+
+    config_class, model_class, fields = ARCHITECTURES[name]
+    config = getattr(transformers, config_class)(**{**_SHAPES, **fields})
+    return make_random_model(getattr(transformers, model_class), config, out_dir)
+
+
+def architecture_fixtures(
+    model_class: str, make_config: Callable[..., object], variants: dict[str, dict]
+):
+    """Module-scoped fixtures `model_dir` (a random-weight model of transformers'
+    `model_class` per variant, its config `make_config(**variant)`) and `reference`
+    (transformers' model loaded from it), for a test module to bind at its top level."""
+
+    @pytest.fixture(scope="module", params=list(variants))
+    def model_dir(request, tmp_path_factory):
+        import transformers
+
+        cls = getattr(transformers, model_class)
+        config = make_config(**variants[request.param])
+        return make_random_model(cls, config, tmp_path_factory.mktemp(request.param))
+
+    @pytest.fixture(scope="module")
+    def reference(model_dir):
+        import transformers
+
+        return reference_model(getattr(transformers, model_class), model_dir)
+
+    return model_dir, reference
+
+
+class ArchitectureConformance:
+    """The checks every ported architecture passes, for a test class in a module that
+    binds `architecture_fixtures`."""
+
+    def test_prompt_logits_match_transformers(self, model_dir, reference):
+        assert_prompt_logits_match(model_dir, reference, length=90)
+
+    def test_greedy_output_matches_transformers(self, model_dir, reference):
+        assert_greedy_matches(model_dir, reference, prompts(3))
+
+    def test_batched_chunked_and_cached_runs_match_one_alone(self, model_dir):
+        assert_batched_chunked_and_cached_match_alone(model_dir, prompts(4))
+
+    def test_tensor_parallel_ranks_compute_the_single_rank_logits(self, model_dir, tmp_path):
+        assert_tp_ranks_match_one(tmp_path, model_dir)

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pytest
 from arch_checks import (
-    assert_batched_chunked_and_cached_match_alone,
+    ArchitectureConformance,
+    architecture_fixtures,
     assert_greedy_matches,
-    assert_prompt_logits_match,
-    assert_tp_ranks_match_one,
-    make_random_model,
     prompts,
-    reference_model,
 )
 
+from workers.model import kernels
 from workers.model.config import ModelConfig
 
 BASE = {
@@ -51,40 +49,16 @@ def _config(**fields):
     return Gemma2Config(**{**BASE, **fields})
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def gemma2_dir(request, tmp_path_factory):
-    from transformers import Gemma2ForCausalLM
-
-    out = tmp_path_factory.mktemp(request.param)
-    return make_random_model(Gemma2ForCausalLM, _config(**VARIANTS[request.param]), out)
+model_dir, reference = architecture_fixtures("Gemma2ForCausalLM", _config, VARIANTS)
 
 
-@pytest.fixture(scope="module")
-def reference(gemma2_dir):
-    from transformers import Gemma2ForCausalLM
+class TestGemma2(ArchitectureConformance):
+    """Prompt logits, greedy output, batched / chunked / cached runs, TP 2."""
 
-    return reference_model(Gemma2ForCausalLM, gemma2_dir)
-
-
-def test_prompt_logits_match_transformers(gemma2_dir, reference):
-    assert_prompt_logits_match(gemma2_dir, reference, length=90)
-
-
-@pytest.mark.parametrize("kernels_on", [True, False], ids=["kernels", "torch-ops"])
-def test_greedy_output_matches_transformers(gemma2_dir, reference, kernels_on, monkeypatch):
-    from workers.model import kernels
-
-    if not kernels_on:  # the path of a machine without a compiler, and of CUDA
+    def test_greedy_output_matches_on_torch_ops_alone(self, model_dir, reference, monkeypatch):
+        # The path of a machine without a compiler, and of CUDA.
         monkeypatch.setattr(kernels, "library", lambda: None)
-    assert_greedy_matches(gemma2_dir, reference, prompts(3))
-
-
-def test_batched_chunked_and_cached_runs_match_one_alone(gemma2_dir):
-    assert_batched_chunked_and_cached_match_alone(gemma2_dir, prompts(4))
-
-
-def test_tensor_parallel_ranks_compute_the_single_rank_logits(gemma2_dir, tmp_path):
-    assert_tp_ranks_match_one(tmp_path, gemma2_dir)
+        assert_greedy_matches(model_dir, reference, prompts(3))
 
 
 def test_the_config_reads_as_transformers_reads_it():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from arch_checks import assert_batched_chunked_and_cached_match_alone
 from test_llama import _prefill_logits
 from tiny_gemma3 import make_tiny_gemma3
 from tiny_model import random_prompts
@@ -96,26 +97,8 @@ def test_greedy_output_matches_transformers_generate(gemma_dir, reference, kerne
 
 
 def test_batched_chunked_and_cached_runs_match_one_alone(gemma_dir):
-    prompts = _prompts()
-    alone = [_outputs(_engine(gemma_dir, enable_prefix_caching=False), [p])[0] for p in prompts]
-    # Decodes of different lengths share steps with each other and with prefills.
-    assert _outputs(_engine(gemma_dir, enable_prefix_caching=False), prompts) == alone
-    # Prefill chunks of 8 attend to their cached context through the window.
-    chunked = _engine(gemma_dir, max_num_batched_tokens=8, max_num_seqs=4)
-    assert _outputs(chunked, prompts) == alone
-    # Each prompt again: its full blocks come from the prefix cache (a pool that evicts
-    # none of them: a sliding layer's blocks go back to it early, so they are evicted first).
-    engine = _engine(gemma_dir, num_kv_blocks=1024)
-    _outputs(engine, prompts)
-    for prompt, expected in zip(prompts, alone, strict=True):
-        engine.add_request("again", prompt, GREEDY)
-        tokens, cached = [], 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens += out.new_token_ids
-                cached = out.num_cached_tokens
-        assert cached == ((len(prompt) - 1) // 16) * 16 > 0
-        assert tokens == expected
+    # Windows of 4-20 tokens: chunks of 8 attend to their cached context through them.
+    assert_batched_chunked_and_cached_match_alone(gemma_dir, _prompts())
 
 
 def _windowed_reference(q, k, v, positions, window, scale):

@@ -8,15 +8,7 @@ import math
 
 import pytest
 import torch
-from arch_checks import (
-    assert_batched_chunked_and_cached_match_alone,
-    assert_greedy_matches,
-    assert_prompt_logits_match,
-    assert_tp_ranks_match_one,
-    make_random_model,
-    prompts,
-    reference_model,
-)
+from arch_checks import ArchitectureConformance, architecture_fixtures
 
 from workers.model.config import ModelConfig, YarnRopeScaling
 from workers.model.rope import rope_inv_freq
@@ -63,35 +55,11 @@ def _config(**fields):
     return Qwen3Config(**{**BASE, **fields})
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def qwen3_dir(request, tmp_path_factory):
-    from transformers import Qwen3ForCausalLM
-
-    out = tmp_path_factory.mktemp(request.param)
-    return make_random_model(Qwen3ForCausalLM, _config(**VARIANTS[request.param]), out)
+model_dir, reference = architecture_fixtures("Qwen3ForCausalLM", _config, VARIANTS)
 
 
-@pytest.fixture(scope="module")
-def reference(qwen3_dir):
-    from transformers import Qwen3ForCausalLM
-
-    return reference_model(Qwen3ForCausalLM, qwen3_dir)
-
-
-def test_prompt_logits_match_transformers(qwen3_dir, reference):
-    assert_prompt_logits_match(qwen3_dir, reference, length=90)
-
-
-def test_greedy_output_matches_transformers(qwen3_dir, reference):
-    assert_greedy_matches(qwen3_dir, reference, prompts(3))
-
-
-def test_batched_chunked_and_cached_runs_match_one_alone(qwen3_dir):
-    assert_batched_chunked_and_cached_match_alone(qwen3_dir, prompts(4))
-
-
-def test_tensor_parallel_ranks_compute_the_single_rank_logits(qwen3_dir, tmp_path):
-    assert_tp_ranks_match_one(tmp_path, qwen3_dir)
+class TestQwen3(ArchitectureConformance):
+    """Prompt logits, greedy output, batched / chunked / cached runs, TP 2."""
 
 
 def test_the_config_reads_as_transformers_reads_it():

@@ -27,6 +27,8 @@ MODEL_FAMILIES = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
 }
@@ -101,6 +103,14 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # Scores scale by query_pre_attn_scalar ** -0.5 where set, else head_dim ** -0.5.
     query_pre_attn_scalar: float | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral): the layers whose MLP is sparse, experts
+    # in it, how many each token takes, each one's MLP width, and whether the top-k
+    # router weights are renormalized to sum to 1.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     # Scores and final logits capped at cap * tanh(x / cap) where set (Gemma 2).
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -134,13 +144,17 @@ class ModelConfig:
             )
             raise ValueError(
                 f"model_type {model_type!r} is not supported{hint}; supported model types: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (README.md, 'Supported models')"
             )
         family = MODEL_FAMILIES[model_type]
         if family in _GEMMA_DEFAULTS:
             raw = {**_GEMMA_DEFAULTS[family], **raw}
             return cls(**_common_fields(raw, model_type), **_gemma_fields(raw, family))
-        return cls(**_common_fields(raw, model_type), **_llama_fields(raw, model_type))
+        return cls(
+            **_common_fields(raw, model_type),
+            **_llama_fields(raw, model_type),
+            **_moe_fields(raw, model_type),
+        )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -154,7 +168,7 @@ class ModelConfig:
 
     def valid_tp_degrees(self) -> list[int]:
         """TP degrees that split the query heads and the MLP's intermediate width evenly
-        (column-parallel layers shard each) and either divide the KV heads or are a
+        (column-parallel layers shard each; an expert's too) and either divide the KV heads or are a
         multiple of them (each KV head then replicated; parallel.kv_shards)."""
         kv = self.num_key_value_heads
         return [
@@ -162,6 +176,7 @@ class ModelConfig:
             for d in range(1, self.num_attention_heads + 1)
             if self.num_attention_heads % d == 0
             and self.intermediate_size % d == 0
+            and self.moe_intermediate_size % d == 0
             and (kv % d == 0 or d % kv == 0)
         ]
 
@@ -228,14 +243,55 @@ def _llama_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     }
 
 
+def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Qwen3-MoE's experts (on every `decoder_sparse_step`-th layer not in
+    mlp_only_layers) and Mixtral's (every layer, `intermediate_size` wide, top-k always
+    renormalized), as transformers reads them; nothing for a dense model."""
+    layers = int(raw["num_hidden_layers"])
+    if model_type == "mixtral":
+        experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 8)
+        return {
+            "moe_layers": tuple(range(layers)),
+            "num_experts": experts,
+            "num_experts_per_tok": _top_k(raw, experts, 2),
+            "moe_intermediate_size": int(raw["intermediate_size"]),
+            "norm_topk_prob": True,
+        }
+    if model_type != "qwen3_moe":
+        return {}
+    # transformers 5 writes Qwen3-MoE's num_experts under Mixtral's name.
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 128)
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or [])
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    sparse = tuple(
+        i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0
+    )
+    return {
+        "moe_layers": sparse,
+        "num_experts": experts,
+        "num_experts_per_tok": _top_k(raw, experts, 8) if sparse else 0,
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size", 768)) if sparse else 0,
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+    }
+
+
+def _top_k(raw: dict[str, Any], experts: int, default: int) -> int:
+    k = int(raw.get("num_experts_per_tok", default))
+    if not 1 <= k <= experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, {experts}] (the experts), got {k}")
+    return k
+
+
 def _llama_layer_types(raw: dict[str, Any], model_type: str) -> tuple[tuple[str, ...], int | None]:
     """(layer_types, sliding_window) as transformers reads them: Mistral's window (v0.1's
-    4096) covers every layer; Qwen2's and Qwen3's, with use_sliding_window, the layers
+    4096) and Mixtral's cover every layer; Qwen2's and Qwen3's, with use_sliding_window, the layers
     from max_window_layers on (or as `layer_types` lists); Llama has none. The sliding
     layers keep only their window in the KV cache, so the context stays the model's."""
     layers = int(raw["num_hidden_layers"])
     window = raw.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         kind = SLIDING_ATTENTION if window else FULL_ATTENTION
         return (kind,) * layers, int(window) if window else None
     if model_type == "llama" or not raw.get("use_sliding_window"):

@@ -155,7 +155,10 @@ def _attention_shapes(config: Config) -> dict[str, tuple[int, ...]]:
 
 def _llama_config(meta: GGUFMetadata, tensor_names: set[str]) -> Config:
     if meta.arch_get("expert_count", 0):
-        raise ValueError("mixture-of-experts llama GGUF files are not supported")
+        raise ValueError(
+            "mixture-of-experts GGUF files (Mixtral) are not supported; run the model's "
+            "Hugging Face safetensors folder instead (README.md, 'Supported models')"
+        )
     if "rope_freqs.weight" in tensor_names:
         # Llama 3.1-style frequency scaling lives in this tensor, and its parameters cannot be
         # recovered into HF's rope_scaling; converting without it would silently change outputs.

@@ -103,18 +103,28 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                module_path, param_name, shard_id = _resolve(name, packed)
+                renamed = _renamed(name, model.renamed_modules)
+                module_path, param_name, shard_id = _resolve(renamed, packed)
                 if module_path == "lm_head" and model.config.tie_word_embeddings:
                     continue
                 module = modules.get(module_path)
                 if module is None or not hasattr(module, param_name):
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                    owner, rest = _owner(modules, renamed)
+                    if owner is None:
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                    owner.load_subtensor(rest, f.get_slice(name))
+                    continue
                 loader = getattr(module, "load_weight", None)
                 if loader is not None:
                     loader(param_name, f.get_slice(name), shard_id)
                 else:
                     copy_weight(getattr(module, param_name), f.get_tensor(name))
                 loaded.add(f"{module_path}.{param_name}" + (f"#{shard_id}" if shard_id else ""))
+    # A module that loads many checkpoint tensors into one parameter (an MoE layer's
+    # stacked experts) says which of its parameters it got whole.
+    for path_name, module in modules.items():
+        if hasattr(module, "load_subtensor"):
+            loaded |= {f"{path_name}.{p}" for p in module.loaded_params()}
     # A tied LM head shares the embedding's parameter, which named_parameters
     # lists once, under the embedding's name. A packed layer counts as loaded only
     # when every one of its parts (q, k, v / gate, up) was.
@@ -173,6 +183,25 @@ def _parts(param: str, packed: PackedModules) -> set[str]:
     layer = param.rpartition(".")[0].rpartition(".")[2]
     shards = {shard for packed_layer, shard in packed.values() if packed_layer == layer}
     return {f"{param}#{shard}" for shard in shards} if shards else {param}
+
+
+def _renamed(name: str, renamed_modules: dict[str, str]) -> str:
+    """`name` with the family's renamed module names (CausalLM.renamed_modules) replaced."""
+    if not renamed_modules:
+        return name
+    return ".".join(renamed_modules.get(part, part) for part in name.split("."))
+
+
+def _owner(modules: dict[str, torch.nn.Module], name: str) -> tuple[torch.nn.Module | None, str]:
+    """The nearest module above checkpoint tensor `name` that loads tensors below it
+    itself (`load_subtensor`, as FusedExperts takes 'experts.3.up_proj.weight'), and the
+    name relative to it; (None, name) if none does."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = modules.get(".".join(parts[:i]))
+        if module is not None and hasattr(module, "load_subtensor"):
+            return module, ".".join(parts[i:])
+    return None, name
 
 
 def _resolve(name: str, packed_modules: PackedModules) -> tuple[str, str, str | None]:

@@ -37,3 +37,12 @@ class QKVAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, tp, bias=cfg.o_proj_bias, dtype=dtype
         )
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's output [T, q + k + v] as views q [T, Hq, D], k and
+        v [T, Hkv, D] of this rank's heads."""
+        tokens, d = qkv.shape[0], self.head_dim
+        q = qkv[:, : self.q_size].view(tokens, self.num_heads, d)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, d)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, d)
+        return q, k, v

@@ -27,6 +27,10 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
+    # Checkpoint module names this family's modules go by instead (Mixtral's
+    # block_sparse_moe is every other family's mlp).
+    renamed_modules: dict[str, str] = {}
+
     # The family's decoder, built as decoder_class(cfg, tp, max_positions, dtype):
     # `embed_tokens`, `layers` (each with `self_attn.attn`) and its final norm, called
     # with (token_ids, positions, meta).

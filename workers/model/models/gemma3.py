@@ -79,12 +79,7 @@ class Attention(QKVAttention):
     def forward(
         self, x: torch.Tensor, rope: RopeTables, meta: list[AttentionMetadata]
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        tokens = qkv.shape[0]
-        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size]
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.split_heads(self.qkv_proj(x))
         # Each head normalized over its own head_dim, then rotated.
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(k), *rope)

@@ -29,8 +29,15 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 class Attention(QKVAttention):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__(cfg, tp, dtype)
+        # The score scale and soft-cap are the config's (None for the Llama family's own
+        # models; Gemma 2 sets both and takes this layer as it is).
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, cfg.head_dim, sliding_window=cfg.layer_window(layer)
+            self.num_heads,
+            self.num_kv_heads,
+            cfg.head_dim,
+            scale=cfg.attention_scale,
+            sliding_window=cfg.layer_window(layer),
+            logit_softcap=cfg.attn_logit_softcapping,
         )
 
     def forward(
@@ -53,7 +60,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = self.attention_class(cfg, layer, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", tp, dtype)
+        self.mlp = self.make_mlp(cfg, layer, tp, dtype)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype) -> nn.Module:
+        """The layer's MLP: dense here; a mixture of experts where the family has one."""
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", tp, dtype)
 
     def forward(
         self,
