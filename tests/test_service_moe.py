@@ -1,7 +1,7 @@
 """The disaggregated service on a mixture-of-experts model (`baton serve --model DIR` on a
 random-weight Qwen3-MoE folder): prefill at TP 1, decode at TP 2 (each rank holding its
-slice of every expert); greedy output must be the in-process engine's. Each other ported
-architecture is served from its folder too, aggregated, one at a time."""
+slice of every expert); greedy output must be the in-process engine's. (Every ported
+architecture runs from its folder with `baton generate --local`: test_architectures_cli.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import urllib.request
 
 import pytest
-from arch_checks import ARCHITECTURES, make_architecture
+from arch_checks import make_architecture
 from ray import serve
 from service_helpers import _greedy
 
@@ -24,6 +24,13 @@ pytestmark = pytest.mark.slow
 
 KV = 16 * 2**20
 PROMPTS = ["The river ran past the mill", "def fibonacci(n):", "A long story. " * 20]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _serve_stops_after(ray_cluster):
+    """Serve's ports are fixed when it starts: the next module starts its own."""
+    yield
+    serve.shutdown()
 
 
 def _served_matches_engine(config: AppConfig, model_dir, serve_ports, app: str) -> None:
@@ -53,12 +60,3 @@ def test_a_moe_model_through_the_disaggregated_service(ray_cluster, serve_ports,
         decode=PoolConfig(tensor_parallel_size=2, kv_cache_bytes=KV),
     )
     _served_matches_engine(config, model_dir, serve_ports, "moe")
-
-
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "qwen3_moe"])
-def test_each_architecture_is_served_from_its_folder(ray_cluster, serve_ports, tmp_path, arch):
-    model_dir = make_architecture(arch, tmp_path / f"tiny-{arch}")
-    config = AppConfig(
-        model=str(model_dir), mode="aggregated", aggregated=PoolConfig(kv_cache_bytes=KV)
-    )
-    _served_matches_engine(config, model_dir, serve_ports, arch.replace("_", "-"))
