@@ -106,8 +106,15 @@ class ModelRunner:
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, c.start_pos + n))
             first_row[i], last_row[i] = start, start + n - 1
+        decoding = [step.chunks[i] for i in decodes]
+        # The decodes' positions and context lengths are every group's: made once.
+        decode_pos = torch.tensor(positions[: len(decodes)], dtype=torch.long)
+        lengths = decode_pos + 1
+        device_lengths = lengths.to(self.device)
         meta = [
-            self._metadata(group, [step.chunks[i] for i in decodes], step, prefills, first_row)
+            self._metadata(
+                group, decoding, decode_pos, lengths, device_lengths, step, prefills, first_row
+            )
             for group in range(self.groups.num_groups)
         ]
         hidden = self.model(
@@ -135,26 +142,28 @@ class ModelRunner:
         self,
         group: int,
         decodes: list[SeqChunk],
+        decode_pos: torch.Tensor,
+        lengths: torch.Tensor,
+        device_lengths: torch.Tensor,
         step: StepInput,
         prefills: list[int],
         first_row: dict[int, int],
     ) -> AttentionMetadata:
         """KV-cache group `group`'s view of the step: the slots its tokens write, in the
-        flat batch's order, and the block tables and contexts its layers read."""
+        flat batch's order, and the block tables and contexts its layers read (the
+        decodes' positions and context lengths `lengths`, on the host and the device,
+        are shared by every group)."""
         slot_mapping: list[torch.Tensor] = []
         meta = AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long), block_size=self.block_size
         )
         if decodes:
-            tables, lengths = self._decode_context(decodes, group)
-            pos = torch.tensor([c.start_pos for c in decodes])
-            rows = torch.arange(len(decodes))
-            slot_mapping.append(
-                tables[rows, pos // self.block_size] * self.block_size + pos % self.block_size
-            )
+            tables = self._decode_tables(decodes, group, lengths)
+            rows, pos, size = torch.arange(len(decodes)), decode_pos, self.block_size
+            slot_mapping.append(tables[rows, pos // size] * size + pos % size)
             meta.num_decode = len(decodes)
             meta.decode_tables = tables.to(self.device)
-            meta.decode_lengths = lengths.to(self.device)
+            meta.decode_lengths = device_lengths
         for i in prefills:
             c = step.chunks[i]
             n = len(c.token_ids)
@@ -219,15 +228,14 @@ class ModelRunner:
         blocks = torch.tensor(block_table, dtype=torch.long).clamp_(min=0)
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _decode_context(
-        self, decodes: list[SeqChunk], group: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Group `group`'s block tables [B, max_blocks] (padded with block 0, as are the
-        entries behind a sliding window) and context lengths [B]."""
-        lengths = torch.tensor([c.start_pos + 1 for c in decodes])
+    def _decode_tables(
+        self, decodes: list[SeqChunk], group: int, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Group `group`'s block tables [B, max_blocks] for contexts of `lengths` (padded
+        with block 0, as are the entries behind a sliding window)."""
         max_blocks = -(-int(lengths.max()) // self.block_size)
         tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for row, c in enumerate(decodes):
             used = c.block_tables[group][:max_blocks]
             tables[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        return tables.clamp_(min=0), lengths
+        return tables.clamp_(min=0)
