@@ -9,9 +9,11 @@ token ids become text again in `text_stream`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -19,6 +21,7 @@ from serve_app.protocol import EngineRequest
 from serve_app.streaming.text_stream import TextStream, engine_params
 from workers.engine import (
     CONTEXT_LENGTH_EXCEEDED,
+    GrammarCompiler,
     InvalidRequestError,
     SamplingParams,
     check_prompt_fits,
@@ -38,12 +41,18 @@ _TEMPLATE_CHARS_PER_MESSAGE = 16
 
 @dataclass(frozen=True)
 class PromptInput:
-    """Exactly one of text, chat messages or token ids."""
+    """Exactly one of text, chat messages or token ids; with messages, the tools offered
+    (OpenAI's function entries, for the chat template)."""
 
     text: str | None = None
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    # (role, content), or for an assistant turn that called tools (role, content, calls)
+    # with each call's (id, function name, arguments as JSON text).
+    messages: tuple[tuple[str, str] | tuple[str, str, tuple[ToolCall, ...]], ...] | None = None
     # Any sequence: a gRPC request's repeated field is copied only once its size is checked.
     token_ids: Sequence[int] | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    # For a text prompt: the tokenizer adds its special tokens (BOS), as for generation.
+    add_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.text, self.messages, self.token_ids)]
@@ -62,8 +71,35 @@ class PromptInput:
         0 for token ids."""
         if self.messages is not None:
             markup = _TEMPLATE_CHARS_PER_MESSAGE * len(self.messages)
-            return markup + sum(len(content) for _, content in self.messages)
+            calls = sum(
+                len(n) + len(a) + _TEMPLATE_CHARS_PER_MESSAGE
+                for m in self.messages
+                for _, n, a in _calls(m)
+            )
+            tools = sum(len(json.dumps(t)) for t in self.tools)
+            return markup + calls + tools + sum(len(m[1]) for m in self.messages)
         return len(self.text or "")
+
+    def chat(self) -> list[dict[str, Any]]:
+        """The messages in OpenAI's shape, for the chat template."""
+        turns = []
+        for m in self.messages or ():
+            turn: dict[str, Any] = {"role": m[0], "content": m[1]}
+            if calls := _calls(m):
+                turn["tool_calls"] = [
+                    {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                    for i, n, a in calls
+                ]
+            turns.append(turn)
+        return turns
+
+
+# One tool call of an assistant turn: (id, function name, arguments as JSON text).
+ToolCall = tuple[str, str, str]
+
+
+def _calls(message: tuple) -> tuple[ToolCall, ...]:
+    return message[2] if len(message) > 2 else ()
 
 
 class ModelFrontend:
@@ -83,6 +119,9 @@ class ModelFrontend:
         # the context's worth of the longest entry cannot fit, however it tokenizes.
         longest = max(len(token) for token in self.tokenizer.hf.get_vocab(with_added_tokens=True))
         self.max_prompt_chars = max_model_len * longest
+        # Structured-output specs are compiled here first: one that does not compile is
+        # refused before it costs a replica anything.
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
 
     def check_size(self, prompt: PromptInput) -> None:
         """Refuses a prompt that cannot fit the context before any work is spent on it
@@ -115,28 +154,43 @@ class ModelFrontend:
                     param="messages",
                 )
             roles = {"system", "user", "assistant", "tool", "developer"}
-            for i, (role, _) in enumerate(prompt.messages):
+            for i, (role, *_) in enumerate(prompt.messages):
                 if role not in roles:
                     raise InvalidRequestError(
                         f"messages[{i}].role must be one of {sorted(roles)}, got {role!r}"
                     )
-            for i, (_, content) in enumerate(prompt.messages):
+            for i, (_, content, *_) in enumerate(prompt.messages):
                 check_text(content, f"messages.{i}.content")
             try:
-                return self.tokenizer.encode_chat(
-                    [{"role": r, "content": c} for r, c in prompt.messages]
-                )
+                return self.tokenizer.encode_chat(prompt.chat(), list(prompt.tools) or None)
             except jinja2.TemplateError as e:  # e.g. the template's raise_exception()
                 raise InvalidRequestError(
                     f"messages: the model's chat template refused them: {e}", param="messages"
                 ) from e
-        return self.tokenizer.encode(check_text(prompt.text, "prompt"))
+        text = check_text(prompt.text, "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=prompt.add_special_tokens)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Token ids' text, special tokens included; ids must exist in the vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"tokens: token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
+                param="tokens",
+            )
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def room_after(self, ids: list[int]) -> int:
         """Tokens the context has left after this prompt (the default budget); refuses a
         prompt that leaves none before any budget is checked, as the prompt's fault."""
         check_prompt_fits(len(ids), self.max_model_len)
         return self.max_model_len - len(ids)
+
+    async def check_structured(self, params: SamplingParams) -> None:
+        """InvalidRequestError naming the field when the request's output constraint does
+        not compile (on a worker thread, within the compiler's time bound)."""
+        if params.structured is not None:
+            await self.grammars.prepare(params.structured)
 
     def build_request(
         self,

@@ -10,6 +10,7 @@ on text and a stop string ends the request for the client at once.
 """
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -50,6 +51,8 @@ from serve_app.openai.responses import (
     unaborted,
     without_completion,
 )
+from serve_app.openai.responses_api import ResponsesBuilder, ResponsesRequest, renamed
+from serve_app.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from serve_app.protocol import EngineRequest
 from serve_app.routing.registry_lookup import RegistryLookup
 from serve_app.streaming.output_demux import OutputDemux
@@ -59,6 +62,11 @@ from workers.engine import InvalidRequestError, RequestOutput, SamplingParams
 from workers.model import model_identity
 
 logger = logging.getLogger(__name__)
+
+try:
+    BATON_VERSION = importlib.metadata.version("baton-llm")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+    BATON_VERSION = "unknown"
 
 # Prompts longer than this are tokenized on a worker thread, where the tokenizer lets go
 # of the GIL: inline, a megabyte of text would stall every stream this router relays
@@ -86,6 +94,13 @@ async def _only_choice(
     """A one-choice request's outputs in the (choice index, output) form of merge_streams."""
     async for out in outputs:
         yield 0, out
+
+
+def _tool_names(req: openai_api.OpenAIRequest) -> list[str] | None:
+    """The functions whose calls a chat's output is parsed for; None: no tools offered."""
+    if not isinstance(req, openai_api.ChatCompletionRequest) or not req.offered_tools():
+        return None
+    return [t["function"]["name"] for t in req.offered_tools()]
 
 
 def _grpc_authorization(grpc_context: RayServegRPCContext) -> str | None:
@@ -156,6 +171,7 @@ class Router(HealthService):
         requests = [
             self.frontend.build_request(uuid.uuid4().hex, ids, p, cache_salt) for p in choices
         ]
+        await self.frontend.check_structured(choices[0])  # the choices share it
         if requests[0].block_hashes:
             hits = await self.registry.longest_prefixes(requests[0].block_hashes)
             requests = [replace(r, prefix_hits=hits) for r in requests]
@@ -282,6 +298,42 @@ class Router(HealthService):
     async def health(self) -> dict:
         return {"status": "ok"}
 
+    @http_app.get("/version")
+    async def version(self) -> dict:
+        return {"version": BATON_VERSION}
+
+    @http_app.post("/tokenize")
+    async def tokenize_http(self, raw: Request):
+        """vLLM's: a prompt's token ids, counted against the context."""
+        try:
+            self._authorize(raw.headers.get("authorization"))
+            req = openai_api.parse(TokenizeRequest, await openai_body.json_body(raw))
+            if req.model != self.served_model_name:
+                return self._model_not_found(req.model)
+            ids = await self._tokenize(req.prompt_input(), to_generate=False)
+        except Exception as e:
+            return http_error(e)
+        strs = [self._token_text(t) for t in ids] if req.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": self.frontend.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @http_app.post("/detokenize")
+    async def detokenize_http(self, raw: Request):
+        """vLLM's: token ids back to text (special tokens included)."""
+        try:
+            self._authorize(raw.headers.get("authorization"))
+            req = openai_api.parse(DetokenizeRequest, await openai_body.json_body(raw))
+            if req.model != self.served_model_name:
+                return self._model_not_found(req.model)
+            text = self.frontend.detokenize(req.tokens)
+        except Exception as e:
+            return http_error(e)
+        return {"prompt": text}
+
     @http_app.get("/v1/models")
     async def models(self, raw: Request):
         try:
@@ -333,11 +385,7 @@ class Router(HealthService):
             if req.model != self.served_model_name:
                 self.metrics.ended("http", "invalid")
                 return self._model_not_found(req.model)
-            ids = await self._tokenize(req.prompt_input())
-            params = req.sampling_params(self.frontend.room_after(ids))
-            choices = await self._engine_requests(
-                ids, openai_api.choice_params(params, req.n, req.stream), req.cache_salt
-            )
+            prompts, choices = await self._openai_choices(req)
         except Exception as e:
             if req is not None and isinstance(e, InvalidRequestError):
                 req.as_sent(e)
@@ -349,8 +397,10 @@ class Router(HealthService):
             self.served_model_name,
             self._token_text,
             self.frontend.tokenizer.token_bytes,
-            self._echo(req, ids),
+            [self._echo(req, prompt, ids) for prompt, ids in prompts],
             req.prompt_logprobs,
+            _tool_names(req),
+            choices_per_prompt=req.n,
         )
         outputs = self.metrics.request(
             "http",
@@ -379,11 +429,65 @@ class Router(HealthService):
             sse_events(builder, first, outputs, req.include_usage()), media_type="text/event-stream"
         )
 
-    def _echo(self, req: openai_api.OpenAIRequest, ids: list[int]) -> Echo | None:
+    async def _openai_choices(
+        self, req: openai_api.OpenAIRequest
+    ) -> tuple[list[tuple[PromptInput, list[int]]], list[tuple[EngineRequest, TextStream]]]:
+        """A parsed request's prompts (with their tokens) and its choices' engine requests:
+        each prompt's n choices in turn, choice k * n + j being prompt k's j-th."""
+        prompts, choices = [], []
+        for prompt in req.prompt_inputs():
+            ids = await self._tokenize(prompt)
+            params = req.sampling_params(self.frontend.room_after(ids))
+            choices += await self._engine_requests(
+                ids, openai_api.choice_params(params, req.n, req.stream), req.cache_salt
+            )
+            prompts.append((prompt, ids))
+        return prompts, choices
+
+    @http_app.post("/v1/responses")
+    async def responses(self, raw: Request):
+        """OpenAI's Responses API, as the chat completion it amounts to."""
+        started = time.perf_counter()
+        chat = None
+        try:
+            self._authorize(raw.headers.get("authorization"))
+            req = openai_api.parse(ResponsesRequest, await openai_body.json_body(raw))
+            if req.model != self.served_model_name:
+                self.metrics.ended("http", "invalid")
+                return self._model_not_found(req.model)
+            chat = req.chat_request()
+            _, choices = await self._openai_choices(chat)
+        except Exception as e:
+            if chat is not None and isinstance(e, InvalidRequestError):
+                renamed(chat.as_sent(e))
+            self._refused("http", e)
+            return http_error(e)
+        builder = ResponsesBuilder(req, chat, self.served_model_name)
+        outputs = self.metrics.request(
+            "http",
+            started,
+            unaborted(merge_streams([self._outputs(r, text, "http") for r, text in choices])),
+        )
+        try:
+            _, first = await anext(outputs)  # before answering: a refusal is still a 4xx
+        except Exception as e:
+            return http_error(e)
+        if not req.stream:
+            collected = [first]
+            try:
+                collected += [out async for _, out in outputs]
+            except Exception as e:
+                return http_error(e)
+            return builder.complete(collected)
+        return StreamingResponse(builder.events(first, outputs), media_type="text/event-stream")
+
+    def _echo(
+        self, req: openai_api.OpenAIRequest, prompt: PromptInput, ids: list[int]
+    ) -> Echo | None:
         """A completion's prompt to echo: its text as sent, or its token ids' text."""
         if not (isinstance(req, openai_api.CompletionRequest) and req.echo):
             return None
-        text = req.prompt_input().text
+        text = prompt.text
         if text is None:
             text = self.frontend.tokenizer.decode(ids, skip_special_tokens=False)
         return Echo(text, ids, req.logprobs)

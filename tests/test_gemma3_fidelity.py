@@ -52,6 +52,23 @@ def _greedy(engine, prompts, max_tokens=NEW_TOKENS):
     return [s.output_token_ids for s in engine.generate(prompts, params)]
 
 
+@pytest.fixture(scope="module")
+def greedy(engine, prompts):
+    """The engine's greedy continuation of each prompt."""
+    return _greedy(engine, prompts)
+
+
+@pytest.fixture(scope="module")
+def reference_logits(prompts, greedy, gemma3_reference):
+    """transformers' logits over each prompt and the engine's continuation, one forward
+    pass each (shared: on 2 cores the long prompts' passes take most of a test)."""
+    with torch.inference_mode():
+        return [
+            gemma3_reference(torch.tensor([p + g])).logits[0]
+            for p, g in zip(prompts, greedy, strict=True)
+        ]
+
+
 def test_tokenizer_matches_transformers(engine, gemma3_dir):
     from transformers import AutoTokenizer
 
@@ -64,40 +81,35 @@ def test_tokenizer_matches_transformers(engine, gemma3_dir):
         assert engine.tokenizer.encode(text) == theirs(text).input_ids, text
 
 
-def test_greedy_tokens_match_transformers(engine, prompts, gemma3_reference):
+def test_greedy_tokens_match_transformers(prompts, greedy, reference_logits):
     # Checked in one forward pass of transformers' model over the prompt and our output:
     # its argmax at each position must be our next token, which holds exactly when our
     # output is its greedy continuation.
-    ours = _greedy(engine, prompts)
-    for prompt, got in zip(prompts, ours, strict=True):
-        with torch.inference_mode():
-            logits = gemma3_reference(torch.tensor([prompt + got])).logits[0]
+    for prompt, got, logits in zip(prompts, greedy, reference_logits, strict=True):
         theirs = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
         assert got == theirs, (len(prompt), got, theirs)
-    assert sum(len(g) for g in ours) >= len(prompts) * NEW_TOKENS // 2  # most ran long
+    assert sum(len(g) for g in greedy) >= len(prompts) * NEW_TOKENS // 2  # most ran long
 
 
-def test_last_position_logits_match_transformers(gemma3_dir, prompts, gemma3_reference):
+def test_last_position_logits_match_transformers(gemma3_dir, prompts, reference_logits):
     ours_all = last_position_logits(gemma3_dir, prompts, max_model_len=2048)
-    for prompt, ours in zip(prompts, ours_all, strict=True):
-        with torch.inference_mode():
-            expected = gemma3_reference(torch.tensor([prompt])).logits[0, -1]
+    for prompt, ours, logits in zip(prompts, ours_all, reference_logits, strict=True):
+        expected = logits[len(prompt) - 1]
         assert (ours - expected).abs().max().item() < 2e-3 * expected.abs().max().item()
 
 
-def test_prefix_hit_and_chunked_prefill_match_a_whole_miss(gemma3_dir, prompts):
-    fresh = LLMEngine(EngineConfig(model=str(gemma3_dir), num_threads=2))
-    long_prompt = prompts[-2]
-    miss = _greedy(fresh, [long_prompt])[0]
-    assert fresh.stats().prefix_cache_hits == 0
+def test_prefix_hit_and_chunked_prefill_match_a_whole_miss(engine, gemma3_dir, prompts, greedy):
+    # `greedy` computed the long prompt whole (a miss) in `engine`, batched with the rest.
+    long_prompt, miss = prompts[-2], greedy[-2]
+    hits = engine.stats().prefix_cache_hits
     # The same prompt again: every full block of it but the last is a hit.
-    assert _greedy(fresh, [long_prompt])[0] == miss
-    assert fresh.stats().prefix_cache_hits >= len(long_prompt) - 2 * 16
+    assert _greedy(engine, [long_prompt])[0] == miss
+    assert engine.stats().prefix_cache_hits - hits >= len(long_prompt) - 2 * 16
     chunked = LLMEngine(
         EngineConfig(model=str(gemma3_dir), num_threads=2, max_num_batched_tokens=96)
     )
     assert _greedy(chunked, [long_prompt])[0] == miss
-    for e in (fresh, chunked):
+    for e in (engine, chunked):
         stats = e.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
 

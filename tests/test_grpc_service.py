@@ -24,6 +24,7 @@ from serve_app.grpc.service import (
     response_from_outputs,
     status_for,
 )
+from workers.engine import StructuredOutput
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import FinishReason
@@ -46,6 +47,47 @@ def test_unset_optional_fields_take_the_defaults_and_set_ones_are_kept():
     with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
         params_from_proto(pb.GenerateRequest(text="x", prompt_logprobs=21), room=9)
     assert params.stop == ("\n",) and params.top_k == 5
+
+
+@pytest.mark.parametrize(
+    ("constraint", "expected"),
+    [
+        (
+            pb.StructuredOutput(json_schema='{"type": "integer"}'),
+            StructuredOutput("json", '{"type": "integer"}'),
+        ),
+        (pb.StructuredOutput(json_object=True), StructuredOutput("json_object")),
+        (pb.StructuredOutput(regex="[a-z]+"), StructuredOutput("regex", "[a-z]+")),
+        (
+            pb.StructuredOutput(choice=pb.ChoiceList(choices=["y", "n"])),
+            StructuredOutput.choice(["y", "n"]),
+        ),
+        (pb.StructuredOutput(grammar='start: "a"'), StructuredOutput("grammar", 'start: "a"')),
+    ],
+)
+def test_a_structured_output_constraint_converts(constraint, expected):
+    request = pb.GenerateRequest(text="x", structured_output=constraint)
+    structured = params_from_proto(request, room=100).structured
+    assert structured == expected
+    assert structured.param.startswith("structured_output.")
+    assert params_from_proto(pb.GenerateRequest(text="x"), room=100).structured is None
+
+
+@pytest.mark.parametrize(
+    ("constraint", "param"),
+    [
+        (pb.StructuredOutput(), "structured_output"),
+        (pb.StructuredOutput(json_object=False), "structured_output.json_object"),
+        (pb.StructuredOutput(json_schema="[oops"), "structured_output.json_schema"),
+        (pb.StructuredOutput(choice=pb.ChoiceList()), "structured_output.choice"),
+        (pb.StructuredOutput(regex=""), "structured_output.regex"),
+    ],
+)
+def test_a_bad_structured_output_constraint_names_its_field(constraint, param):
+    request = pb.GenerateRequest(text="x", structured_output=constraint)
+    with pytest.raises(InvalidRequestError) as err:
+        params_from_proto(request, room=100)
+    assert err.value.param == param
 
 
 def test_an_explicit_zero_is_not_mistaken_for_unset():

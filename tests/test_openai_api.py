@@ -303,12 +303,17 @@ def test_chat_content_parts_must_be_text(content, param):
     assert err.value.param == param and str(err.value).startswith(f"{param}: ")
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]]])
-def test_one_prompt_per_request(prompt):
-    req = parse(CompletionRequest, _completion(prompt=prompt))
-    with pytest.raises(InvalidRequestError, match="one prompt per request") as err:
-        req.prompt_input()
+def test_a_batch_of_prompts_is_one_prompt_input_each_and_bounded():
+    req = parse(CompletionRequest, _completion(prompt=["a", "b"], n=2))
+    assert req.prompt_inputs() == [PromptInput(text="a"), PromptInput(text="b")]
+    req = parse(CompletionRequest, _completion(prompt=[[1], [2, 3]]))
+    assert req.prompt_inputs() == [PromptInput(token_ids=(1,)), PromptInput(token_ids=(2, 3))]
+    with pytest.raises(InvalidRequestError, match="at most 64 prompts") as err:
+        parse(CompletionRequest, _completion(prompt=["a"] * 65)).prompt_inputs()
     assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="prompts x n=16") as err:
+        parse(CompletionRequest, _completion(prompt=["a"] * 17, n=16)).prompt_inputs()
+    assert err.value.param == "n"
 
 
 def test_a_prompt_may_come_as_a_batch_of_one_in_either_form():
@@ -325,9 +330,8 @@ def test_a_prompt_may_come_as_a_batch_of_one_in_either_form():
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        # Tools are refused, so a history cannot hold their calls: a template would
-        # render them its own way, or drop them.
-        ({"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}, "tool_calls"),
+        # A call must be one (tests/test_openai_tools.py has the rest).
+        ({"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}, "tool_calls.0"),
         ({"role": "assistant", "content": "", "function_call": {"name": "f"}}, "function_call"),
         # Only an assistant's content may be null (OpenAI's rule).
         ({"role": "user", "content": None}, "content"),
@@ -376,7 +380,8 @@ def test_an_error_body_carries_the_field_as_its_param():
     with pytest.raises(InvalidRequestError) as err:
         parse(ChatCompletionRequest, _chat(tools=[{"type": "function"}]))
     body = error_body(str(err.value), "invalid_request_error", err.value.param)
-    assert body["error"]["param"] == "tools" and body["error"]["message"].startswith("tools: ")
+    assert body["error"]["param"] == "tools.0.function"
+    assert body["error"]["message"].startswith("tools.0.function: ")
 
 
 def test_n_choices_are_n_requests_with_their_own_seeds():

@@ -78,7 +78,7 @@ def _echoed_outputs() -> list[RequestOutput]:
 
 
 def test_an_echoed_completion_starts_with_the_prompt_and_its_logprobs():
-    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6], 1))
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, [Echo("ab", [5, 6], 1)])
     (choice,) = builder.complete([_echoed_outputs()])["choices"]
     assert choice["text"] == "abHi"
     lps = choice["logprobs"]
@@ -90,13 +90,13 @@ def test_an_echoed_completion_starts_with_the_prompt_and_its_logprobs():
 
 
 def test_an_echoed_stream_sends_the_prompt_once_per_choice_in_its_first_chunk():
-    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6], 1))
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, [Echo("ab", [5, 6], 1)])
     first, second = (_body(builder.chunk(o))["choices"][0] for o in _echoed_outputs())
     assert (first["text"], second["text"]) == ("abH", "i")
     assert first["logprobs"]["token_logprobs"] == [None, -2.0, -0.25]
     assert second["logprobs"]["text_offset"] == [9]
     # Without logprobs asked, the text alone.
-    plain = ResponseBuilder(False, "r", "m", str, bytes, Echo("ab", [5, 6], 1))
+    plain = ResponseBuilder(False, "r", "m", str, bytes, [Echo("ab", [5, 6], 1)])
     assert _body(plain.chunk(RequestOutput("r", [7], "H")))["choices"][0]["text"] == "abH"
     assert _body(plain.chunk(RequestOutput("r", [7], "H"), index=1))["choices"][0]["text"] == "abH"
 
@@ -110,7 +110,7 @@ def test_vllm_prompt_logprobs_name_each_prompt_token_its_rank_and_alternatives()
         )
     ]
     builder = ResponseBuilder(
-        False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6], top_n=1), 2
+        False, "r", "m", lambda t: f"<{t}>", bytes, [Echo("ab", [5, 6], top_n=1)], 2
     )
     (choice,) = builder.complete([outs])["choices"]
 
@@ -134,7 +134,7 @@ def test_vllm_prompt_logprobs_name_each_prompt_token_its_rank_and_alternatives()
     assert "prompt_logprobs" not in ResponseBuilder(True, "r", "m", str, bytes).complete([outs])
     # Echo without logprobs: the prompt's text, and no logprobs object for it, though the
     # engine computed the prompt's logprobs for prompt_logprobs.
-    unscored = ResponseBuilder(False, "r", "m", str, bytes, Echo("ab", [5, 6], None), 2)
+    unscored = ResponseBuilder(False, "r", "m", str, bytes, [Echo("ab", [5, 6], None)], 2)
     (choice,) = unscored.complete([outs])["choices"]
     assert choice["text"] == "abH" and choice["logprobs"] is None
     assert len(choice["prompt_logprobs"]) == 2
@@ -144,7 +144,7 @@ def test_choices_after_the_first_show_the_first_ones_prompt_logprobs():
     # Unstreamed, only the first choice computes them (openai_api.choice_params).
     prompt_lps = [TokenLogprob(6, -2.0, ((9, -0.1),), 2)]
     first = RequestOutput("a", [7], "H", [], True, FinishReason.LENGTH, 2, 1)
-    builder = ResponseBuilder(False, "r", "m", str, bytes, Echo("ab", [5, 6], 1), 1)
+    builder = ResponseBuilder(False, "r", "m", str, bytes, [Echo("ab", [5, 6], 1)], 1)
     body = builder.complete(
         [[replace(first, prompt_logprobs=prompt_lps)], [replace(first, request_id="b")]]
     )
@@ -164,7 +164,7 @@ def test_an_echo_of_the_prompt_alone_drops_the_sampled_token():
     ((index, out),) = asyncio.run(main())
     assert (out.new_token_ids, out.new_text, out.new_logprobs) == ([], "", [])
     assert out.num_output_tokens == 0 and out.finish_reason is FinishReason.LENGTH
-    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, Echo("ab", [5, 6], 1))
+    builder = ResponseBuilder(False, "r", "m", lambda t: f"<{t}>", bytes, [Echo("ab", [5, 6], 1)])
     body = builder.complete([[out]])
     assert body["choices"][0]["text"] == "ab" and body["usage"]["completion_tokens"] == 0
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -2.0]
@@ -304,3 +304,17 @@ def test_a_cancellation_by_the_service_is_a_503_and_a_bug_is_openais_server_erro
     assert bug.status_code == 500
     error = json.loads(bug.body)["error"]
     assert error["type"] == "server_error" and "KeyError" in error["message"]
+
+
+def test_a_batch_of_prompts_counts_each_prompt_once_and_echoes_its_own():
+    def out(rid, prompt_tokens, text):
+        return RequestOutput(rid, [7], text, [], True, FinishReason.LENGTH, prompt_tokens, 1)
+
+    echoes = [Echo("A", [1], None), Echo("BB", [2, 3], None)]
+    builder = ResponseBuilder(False, "r", "m", str, bytes, echoes, choices_per_prompt=2)
+    done = builder.complete(
+        [[out("a0", 1, "x")], [out("a1", 1, "y")], [out("b0", 2, "z")], [out("b1", 2, "w")]]
+    )
+    assert [c["text"] for c in done["choices"]] == ["Ax", "Ay", "BBz", "BBw"]
+    assert [c["index"] for c in done["choices"]] == [0, 1, 2, 3]
+    assert done["usage"]["prompt_tokens"] == 3 and done["usage"]["completion_tokens"] == 4

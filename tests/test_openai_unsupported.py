@@ -25,18 +25,12 @@ def _completion(**fields):
         (CompletionRequest, "best_of", 3, "accepted: 1"),
         (ChatCompletionRequest, "echo", True, "accepted: false"),
         (CompletionRequest, "suffix", "end", 'accepted: ""'),
-        (ChatCompletionRequest, "tools", [{"type": "function"}], "accepted: []"),
-        (ChatCompletionRequest, "tool_choice", "auto", 'accepted: "none"'),
-        (ChatCompletionRequest, "tool_choice", "required", 'accepted: "none"'),
+        (CompletionRequest, "tools", [{"type": "function"}], "accepted: []"),
+        (CompletionRequest, "tool_choice", "auto", 'accepted: "none"'),
+        (CompletionRequest, "tool_choice", "required", 'accepted: "none"'),
         (ChatCompletionRequest, "functions", [{"name": "f"}], "accepted: []"),
         (ChatCompletionRequest, "function_call", "auto", 'accepted: "none"'),
-        (
-            ChatCompletionRequest,
-            "response_format",
-            {"type": "json_object"},
-            'accepted: {"type": "text"}',
-        ),
-        (ChatCompletionRequest, "guided_json", {"type": "object"}, "leave it out"),
+        (ChatCompletionRequest, "guided_whitespace_pattern", " ", "leave it out"),
         (CompletionRequest, "use_beam_search", True, "accepted: false"),
         (ChatCompletionRequest, "include_stop_str_in_output", True, "accepted: false"),
         (ChatCompletionRequest, "bad_words", ["x"], "accepted: []"),
@@ -113,11 +107,11 @@ def test_completions_echo_the_prompt_and_ask_for_its_logprobs_with_logprobs():
     )
 
 
-def test_parallel_tool_calls_are_accepted_as_tools_are_refused_anyway():
+def test_parallel_tool_calls_are_accepted_where_tools_are():
     parse(ChatCompletionRequest, _chat(parallel_tool_calls=True, tools=[], tool_choice="none"))
     with pytest.raises(InvalidRequestError) as err:
         parse(ChatCompletionRequest, _chat(parallel_tool_calls=True, tools=[{"type": "function"}]))
-    assert err.value.param == "tools"
+    assert err.value.param == "tools.0.function"
 
 
 def test_a_refused_field_is_quoted_cut_however_deep_it_nests():
@@ -131,5 +125,5 @@ def test_a_refused_field_is_quoted_cut_however_deep_it_nests():
     assert err.value.param == "tools" and "got [[[" in str(err.value)
     wide = {f"k{i}": list(range(100)) for i in range(100)}
     with pytest.raises(InvalidRequestError, match="got ") as err:
-        parse(ChatCompletionRequest, _chat(response_format=wide))
+        parse(ChatCompletionRequest, _chat(logits_processors=wide))
     assert len(str(err.value)) < 300

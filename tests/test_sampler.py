@@ -354,3 +354,20 @@ def test_short_of_min_tokens_stop_tokens_and_eos_are_banned():
     assert not adjust_logits(logits, params, [], [1, 2], eos_token_ids={5}).isinf().any()
     ignoring = SamplingParams(min_tokens=2, ignore_eos=True)
     assert not adjust_logits(logits, ignoring, [], [], eos_token_ids={5}).isinf().any()
+
+
+def test_a_mask_limits_its_rows_and_logprobs_are_of_the_masked_distribution():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.5], [3.0, 1.0, 2.0, 0.5]])
+    allowed = torch.tensor([[False, True, True, False]])
+    params = [SamplingParams(temperature=0.0, logprobs=4)] * 2
+    out = sample(logits, params, [None, None], torch.Generator(), mask=([1], allowed))
+    assert out.token_ids == [0, 2]  # the masked row takes its best allowed token
+    masked = out.logprobs[1]
+    assert {t for t, _ in masked.top} == {1, 2}  # impossible tokens are not alternatives
+    assert abs(sum(math.exp(v) for _, v in masked.top) - 1.0) < 1e-6
+    assert len(out.logprobs[0].top) == 4
+    seeded = [SamplingParams(temperature=1.0, seed=s) for s in range(2)]
+    for _ in range(20):
+        gens = [torch.Generator().manual_seed(s) for s in range(2)]
+        picked = sample(logits, seeded, gens, torch.Generator(), mask=([1], allowed)).token_ids
+        assert picked[1] in (1, 2)

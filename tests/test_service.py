@@ -19,9 +19,12 @@ import json
 import re
 import urllib.error
 import urllib.request
+from typing import Annotated
 
 import grpc
+import jsonschema
 import openai
+import pydantic
 import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,6 +46,7 @@ from serve_app.config import AppConfig, PoolConfig
 from serve_app.grpc.api import baton_pb2 as pb
 from serve_app.ops import service_ops
 from serve_app.ops.client import BatonClient, generate_request
+from workers.engine import StructuredOutput
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
@@ -99,10 +103,11 @@ def test_greedy_output_is_identical_in_process_aggregated_and_disaggregated(
 
 def test_the_object_store_fallback_gives_the_same_output(service, disagg, smollm2_dir, serve_ports):
     # Its own app, deleted at the end so the later tests share the machine with two only.
+    # Prefill TP 1: "disagg" covers the re-split of KV heads between TP degrees.
     config = AppConfig(
         mode="disaggregated",
         transport="object_store",
-        prefill=PoolConfig(tensor_parallel_size=3, kv_cache_bytes=KV),
+        prefill=PoolConfig(kv_cache_bytes=KV),
         decode=PoolConfig(kv_cache_bytes=KV),
     )
     service_ops.deploy(config, app_name="disagg_os", route_prefix="/disagg_os", **serve_ports)
@@ -371,6 +376,302 @@ def test_each_application_routes_by_a_prefix_registry_of_its_own(disagg, smollm2
     other = ray.get(_registry("agg").longest_prefixes.remote(hashes))
     assert own and not set(own) & set(other), (own, other)
     assert len(hashes) not in other.values()
+
+
+class _Person(pydantic.BaseModel):
+    """What an extraction pipeline asks for: bounded fields, so that every sample ends
+    within its budget and validity rests on the grammar alone."""
+
+    name: str = pydantic.Field(max_length=40)
+    age: int = pydantic.Field(ge=0, le=120)
+    city: str = pydantic.Field(max_length=40)
+    hobbies: list[Annotated[str, pydantic.Field(max_length=30)]] = pydantic.Field(max_length=4)
+
+
+_TOPICS = [
+    "a pirate", "a chef in Paris", "a retired teacher", "an astronaut", "a child who loves dogs",
+    "a jazz musician", "a farmer", "a software engineer", "a marathon runner", "a painter",
+    "a librarian", "a doctor in Tokyo", "a student", "a baker", "a sailor", "a gardener",
+    "a poet", "a pilot", "a nurse", "a carpenter",
+]  # fmt: skip
+
+
+def _person_prompt(topic: str) -> str:
+    return f"Invent {topic}. Give their name, age, city and hobbies."
+
+
+def test_langchain_and_the_openai_sdk_get_schema_valid_output_at_temperature_1(service):
+    from langchain_openai import ChatOpenAI
+
+    schema = _Person.model_json_schema()
+    llm = ChatOpenAI(
+        base_url=f"{service['http']}/disagg/v1",
+        api_key="unused",
+        model="SmolLM2-135M-Instruct",
+        temperature=1.0,
+        max_tokens=160,
+    )
+    people = llm.with_structured_output(_Person).batch(
+        [_person_prompt(t) for t in _TOPICS], config={"max_concurrency": 8}
+    )
+    assert len(people) == 20 and all(isinstance(p, _Person) for p in people)
+    for person in people:
+        jsonschema.validate(person.model_dump(), schema)
+    assert len({p.name for p in people}) > 10  # sampled, not one answer
+
+    client = openai.OpenAI(base_url=f"{service['http']}/agg/v1", api_key="unused")
+    for topic in _TOPICS[:4]:
+        done = client.chat.completions.parse(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": _person_prompt(topic)}],
+            response_format=_Person,
+            temperature=1.0,
+            max_tokens=160,
+        )
+        assert isinstance(done.choices[0].message.parsed, _Person)
+        assert done.choices[0].finish_reason == "stop"
+
+
+def test_regex_and_choice_constraints_hold_on_every_sample(service):
+    client = openai.OpenAI(base_url=f"{service['http']}/agg/v1", api_key="unused")
+    for constraint, check in [
+        ({"regex": r"[A-Z][a-z]{2,8} [0-9]{2}"}, re.compile(r"[A-Z][a-z]{2,8} [0-9]{2}").fullmatch),
+        ({"choice": ["red", "green", "blue"]}, {"red", "green", "blue"}.__contains__),
+    ]:
+        done = client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="My favourite colour is",
+            n=8,
+            temperature=1.0,
+            max_tokens=20,
+            extra_body={"structured_outputs": constraint},
+        )
+        texts = [c.text for c in done.choices]
+        assert all(check(t) for t in texts), texts
+        assert all(c.finish_reason == "stop" for c in done.choices)
+
+
+def test_constrained_greedy_output_is_identical_aggregated_and_disaggregated(
+    service, disagg, agg, smollm2_dir
+):
+    schema = json.dumps(_Person.model_json_schema())
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), kv_cache_bytes=KV))
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": _person_prompt("a poet")}])
+    params = SamplingParams(
+        max_tokens=120, temperature=0.0, structured=StructuredOutput.json_schema(schema)
+    )
+    (expected,) = engine.generate([prompt], params)
+    request = generate_request(prompt, max_tokens=120, temperature=0.0)
+    request.structured_output.json_schema = schema
+    texts = {
+        name: client.generate_unary(request).text
+        for name, client in [("disagg", disagg), ("agg", agg)]
+    }
+    assert texts["disagg"] == texts["agg"] == engine.tokenizer.decode(expected.output_token_ids)
+    _Person.model_validate_json(texts["agg"])
+    # Streamed, the same text; unconstrained requests alongside are unchanged.
+    client = openai.OpenAI(base_url=f"{service['http']}/disagg/v1", api_key="unused")
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": _person_prompt("a poet")}],
+        "max_tokens": 120,
+        "temperature": 0,
+        "extra_body": {"guided_json": json.loads(schema)},
+    }
+    chunks = client.chat.completions.create(stream=True, **body)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == texts["agg"]
+
+
+_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_bound_tools_with_a_required_choice_give_calls_whose_arguments_validate(service):
+    from langchain_core.messages import ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=f"{service['http']}/disagg/v1",
+        api_key="unused",
+        model="SmolLM2-135M-Instruct",
+        temperature=1.0,
+        max_tokens=120,
+    ).bind_tools([_WEATHER], tool_choice="required", parallel_tool_calls=False)
+    questions = [f"What is the weather in {c}?" for c in ("Paris", "Lima", "Oslo", "Cairo")]
+    replies = llm.batch(questions, config={"max_concurrency": 4})
+    for reply in replies:
+        (call,) = reply.tool_calls
+        assert call["name"] == "get_weather"
+        jsonschema.validate(call["args"], _WEATHER["function"]["parameters"])
+    # The calls and their results go back in the history; the model answers in text.
+    answer = ChatOpenAI(
+        base_url=f"{service['http']}/agg/v1",
+        api_key="unused",
+        model="SmolLM2-135M-Instruct",
+        temperature=0.0,
+        max_tokens=24,
+    ).invoke(
+        [
+            ("user", questions[0]),
+            replies[0],
+            ToolMessage("Sunny, 21 degrees", tool_call_id=replies[0].tool_calls[0]["id"]),
+        ]
+    )
+    assert isinstance(answer.content, str) and answer.content
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_unstreamed_call(service):
+    for app in ("agg", "disagg"):
+        client = openai.OpenAI(base_url=f"{service['http']}/{app}/v1", api_key="unused")
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "Weather in Rome and in Madrid?"}],
+            "tools": [_WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "temperature": 0,
+            "max_tokens": 120,
+        }
+        done = client.chat.completions.create(**body)
+        calls = [
+            (c.function.name, c.function.arguments) for c in done.choices[0].message.tool_calls
+        ]
+        assert done.choices[0].finish_reason == "tool_calls" and calls
+        streamed: dict[int, list[str]] = {}
+        finish = None
+        for chunk in client.chat.completions.create(stream=True, **body):
+            delta = chunk.choices[0].delta
+            for call in delta.tool_calls or []:
+                name, args = streamed.setdefault(call.index, ["", ""])
+                streamed[call.index] = [
+                    name + (call.function.name or ""),
+                    args + (call.function.arguments or ""),
+                ]
+            finish = chunk.choices[0].finish_reason or finish
+        assert [tuple(streamed[i]) for i in sorted(streamed)] == calls
+        assert finish == "tool_calls"
+        for _, arguments in calls:
+            jsonschema.validate(json.loads(arguments), _WEATHER["function"]["parameters"])
+
+
+def test_a_bad_schema_or_contradictory_constraints_are_refused_naming_the_field(service, agg):
+    client = openai.OpenAI(base_url=f"{service['http']}/agg/v1", api_key="unused")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}
+    for kwargs, param in [
+        ({"response_format": bad}, "response_format.json_schema.schema"),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
+            "guided_regex",
+        ),
+        ({"extra_body": {"structured_outputs": {"regex": "(a"}}}, "structured_outputs.regex"),
+        (
+            {"tools": [_WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice.function.name",
+        ),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=5,
+                **kwargs,
+            )
+        assert err.value.param == param and param in err.value.message
+    request = generate_request("Hi", max_tokens=4)
+    request.structured_output.regex = "[a-"
+    with pytest.raises(grpc.RpcError) as refused:
+        agg.generate_unary(request)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output.regex" in refused.value.details()
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order(service):
+    client = openai.OpenAI(base_url=f"{service['http']}/agg/v1", api_key="unused")
+    common = {"model": "SmolLM2-135M-Instruct", "max_tokens": 6, "seed": 9}
+    batch = client.completions.create(prompt=PROMPTS[:2], n=2, **common)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    for k, prompt in enumerate(PROMPTS[:2]):
+        alone = client.completions.create(prompt=prompt, n=2, **common)
+        assert [c.text for c in batch.choices[2 * k : 2 * k + 2]] == [c.text for c in alone.choices]
+    single = [
+        client.completions.create(prompt=p, max_tokens=1, model=common["model"])
+        for p in PROMPTS[:2]
+    ]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single)
+
+
+def test_the_responses_api_answers_text_structured_output_and_tools(service):
+    client = openai.OpenAI(base_url=f"{service['http']}/disagg/v1", api_key="unused")
+    model = "SmolLM2-135M-Instruct"
+    question = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(
+        model=model, messages=question, max_tokens=12, temperature=0
+    )
+    done = client.responses.create(model=model, input=question, max_output_tokens=12, temperature=0)
+    assert done.output_text == chat.choices[0].message.content
+    assert done.usage.output_tokens == chat.usage.completion_tokens
+    streamed = client.responses.create(
+        model=model, input=question, max_output_tokens=12, temperature=0, stream=True
+    )
+    events = list(streamed)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == done.output_text and events[-1].type in (
+        "response.completed",
+        "response.incomplete",
+    )
+
+    parsed = client.responses.parse(
+        model=model, input=_person_prompt("a gardener"), text_format=_Person, temperature=1.0,
+        max_output_tokens=160,
+    )  # fmt: skip
+    assert isinstance(parsed.output_parsed, _Person)
+    flat = {"type": "function", **_WEATHER["function"]}
+    called = client.responses.create(
+        model=model, input="Weather in Lima?", tools=[flat], tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, max_output_tokens=120,
+    )  # fmt: skip
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), _WEATHER["function"]["parameters"])
+
+
+def test_tokenize_detokenize_and_version_in_vllms_shapes(service, agg):
+    base = f"{service['http']}/agg"
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(
+            base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request) as response:
+            return json.loads(response.read())
+
+    model = "SmolLM2-135M-Instruct"
+    done = post("/tokenize", {"model": model, "prompt": PROMPTS[0], "return_token_strs": True})
+    assert done["tokens"] == agg.tokenize(PROMPTS[0]) and done["count"] == len(done["tokens"])
+    assert done["max_model_len"] > 0 and "".join(done["token_strs"]).strip()
+    chat = post("/tokenize", {"model": model, "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat["count"] > done["count"] // 10  # the template's markup and the message
+    text = post("/detokenize", {"model": model, "tokens": done["tokens"]})["prompt"]
+    assert text.endswith(PROMPTS[0])  # after any BOS the tokenizer adds
+    with urllib.request.urlopen(base + "/version") as response:
+        assert json.loads(response.read())["version"]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post("/detokenize", {"model": model, "tokens": [10**9]})
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["error"]["param"] == "tokens"
 
 
 def test_every_pool_gets_all_its_blocks_back(service):

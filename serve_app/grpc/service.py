@@ -18,6 +18,7 @@ from workers.engine import (
     InvalidRequestError,
     RequestOutput,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
     default_budget_room,
 )
@@ -76,6 +77,31 @@ def params_from_proto(request: pb.GenerateRequest, room: int) -> SamplingParams:
         min_p=request.min_p,
         logit_bias=dict(request.logit_bias),
         min_tokens=request.min_tokens,
+        structured=structured_from_proto(request),
+    )
+
+
+def structured_from_proto(request: pb.GenerateRequest) -> StructuredOutput | None:
+    if not request.HasField("structured_output"):
+        return None
+    constraint = request.structured_output
+    which = constraint.WhichOneof("constraint")
+    param = f"structured_output.{which}"
+    if which == "json_schema":
+        return StructuredOutput.json_schema(constraint.json_schema, param)
+    if which == "json_object":
+        if not constraint.json_object:
+            raise InvalidRequestError(f"{param}: must be true when set", param=param)
+        return StructuredOutput("json_object", param=param)
+    if which == "regex":
+        return StructuredOutput("regex", constraint.regex, param)
+    if which == "choice":
+        return StructuredOutput.choice(list(constraint.choice.choices), param)
+    if which == "grammar":
+        return StructuredOutput("grammar", constraint.grammar, param)
+    raise InvalidRequestError(
+        "structured_output: set one of json_schema, json_object, regex, choice, grammar",
+        param="structured_output",
     )
 
 

@@ -3,11 +3,11 @@ and bounding it before it is parsed is `serve_app/openai/body.py`, the responses
 `serve_app/openai/responses.py`).
 
 Fields the engine cannot honour are refused when set to anything but their neutral value
-(`serve_app/openai/unsupported.py`), rather than silently ignored, and so is a chat history that
-holds tool calls; fields OpenAI clients send that do not change the output (user,
-metadata...) are accepted and ignored. JSON null means "the default" for every optional
-field, as in vLLM and SGLang. Every refusal is an `InvalidRequestError` whose `param` is
-the field at fault (the OpenAI error body's `param`).
+(`serve_app/openai/unsupported.py`), rather than silently ignored; fields OpenAI clients
+send that do not change the output (user, metadata...) are accepted and ignored. JSON
+null means "the default" for every optional field, as in vLLM and SGLang. Every refusal
+is an `InvalidRequestError` whose `param` is the field at fault (the OpenAI error body's
+`param`).
 """
 
 from __future__ import annotations
@@ -16,16 +16,27 @@ import re
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from serve_app.model_frontend import PromptInput
 from serve_app.openai.body import check_sizes
+from serve_app.openai.structured import structured_output
+from serve_app.openai.tools import ToolChoice, call_grammar, check_tools, tool_choice
 from serve_app.openai.unsupported import check_unsupported
-from workers.engine import MAX_LOGPROBS, InvalidRequestError, SamplingParams, default_budget_room
+from workers.engine import (
+    MAX_LOGPROBS,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+    default_budget_room,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Choices per request: each is an engine request of its own.
 MAX_CHOICES = 16
+# A completion's batch of prompts, and its choices in all.
+MAX_PROMPTS = 64
+MAX_BATCH_CHOICES = 256
 
 # A token id as a logit_bias key: ASCII digits, at most int64's 19 (more would only be
 # refused later, after Python's int() had spent time on thousands of digits or refused
@@ -33,7 +44,7 @@ MAX_CHOICES = 16
 _TOKEN_ID = re.compile(r"-?[0-9]{1,19}", re.ASCII)
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     # Strict: true is not 1, "5" is not 5. Non-finite floats mean nothing to the sampler.
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -45,7 +56,7 @@ class _Body(BaseModel):
         return data
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     # vLLM's: usage in every chunk. Not offered, so refused rather than ignored.
     continuous_usage_stats: bool = False
@@ -61,7 +72,7 @@ class StreamOptions(_Body):
         return self
 
 
-class _Request(_Body):
+class _Request(Body):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = 1.0
@@ -88,6 +99,15 @@ class _Request(_Body):
     # vLLM's: each prompt token's logprob, rank and this many alternatives, in the
     # response's `prompt_logprobs` (vLLM's -1, the whole vocabulary, is out of range).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Structured output (structured.py): OpenAI's, vLLM's, and vLLM's older fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Which grammar engine vLLM should use: the output is the same whichever does.
+    guided_decoding_backend: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -117,6 +137,18 @@ class _Request(_Body):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def prompt_inputs(self) -> list[PromptInput]:
+        raise NotImplementedError
+
+    def prompt_input(self) -> PromptInput:
+        """The request's prompt, when it sent one (a completion may send a batch)."""
+        prompts = self.prompt_inputs()
+        if len(prompts) != 1:
+            raise InvalidRequestError(
+                f"prompt: one prompt expected here, got {len(prompts)}", param="prompt"
+            )
+        return prompts[0]
 
     def as_sent(self, error: InvalidRequestError) -> InvalidRequestError:
         """`error` with its `param` named as this request names the field: the engine's
@@ -152,14 +184,22 @@ class _Request(_Body):
                 min_p=self.min_p,
                 logit_bias=logit_bias,
                 min_tokens=self.min_tokens,
+                structured=self.structured_output(),
             )
         except InvalidRequestError as e:
             # The engine's ranges are the ones that count, and its fields are named as the
             # request's (chat's top_logprobs and max_completion_tokens, named otherwise
             # there, are checked before this).
-            if e.param not in type(self).model_fields:
+            if (e.param or "").split(".")[0] not in type(self).model_fields:
                 e.param = None
             raise
+
+    def structured_output(self) -> StructuredOutput | None:
+        guided = {
+            name: getattr(self, name)
+            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        }
+        return structured_output(self.response_format, self.structured_outputs, guided)
 
     def _seed(self) -> int | None:
         # OpenAI takes any int64; the engine's seeds are [0, 2**63), which the negative
@@ -189,7 +229,7 @@ class _Request(_Body):
 
 
 class CompletionRequest(_Request):
-    # One prompt: text, token ids, or either as a batch of one (as lm-eval and others send).
+    # Text, token ids, or a batch of either (each prompt gets n choices).
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     # The prompt before the completion, in the text and, with logprobs, in the logprobs
@@ -218,21 +258,28 @@ class CompletionRequest(_Request):
         """Echo with max_tokens 0: the engine samples one token, which is not returned."""
         return self.echo and self.max_tokens == 0
 
-    def prompt_input(self) -> PromptInput:
+    def prompt_inputs(self) -> list[PromptInput]:
+        """The prompts: one (text, or token ids) or a batch of either, each answered with
+        `n` choices in turn, as OpenAI and vLLM number them."""
         if isinstance(self.prompt, str):
-            return PromptInput(text=self.prompt)
-        if self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
-                raise InvalidRequestError(
-                    "prompt: send one prompt per request (a batch of one: one string or one "
-                    f"array of token ids), got {len(self.prompt)}",
-                    param="prompt",
-                )
-            (one,) = self.prompt
-            if isinstance(one, str):
-                return PromptInput(text=one)
-            return PromptInput(token_ids=tuple(one))
-        return PromptInput(token_ids=tuple(self.prompt))
+            return [PromptInput(text=self.prompt)]
+        if not self.prompt or isinstance(self.prompt[0], int):
+            return [PromptInput(token_ids=tuple(self.prompt))]
+        if len(self.prompt) > MAX_PROMPTS:
+            raise InvalidRequestError(
+                f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(self.prompt)}",
+                param="prompt",
+            )
+        if len(self.prompt) * self.n > MAX_BATCH_CHOICES:
+            raise InvalidRequestError(
+                f"n: {len(self.prompt)} prompts x n={self.n} choices is more than "
+                f"{MAX_BATCH_CHOICES}; send fewer prompts per request",
+                param="n",
+            )
+        return [
+            PromptInput(text=p) if isinstance(p, str) else PromptInput(token_ids=tuple(p))
+            for p in self.prompt
+        ]
 
     def sampling_params(self, room: int) -> SamplingParams:
         """`room`: tokens the context has left after the prompt. Unsent, max_tokens is
@@ -246,30 +293,46 @@ class CompletionRequest(_Request):
         return self._params(max(max_tokens, 1), self.logprobs, echoed)
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
-    # An assistant turn's calls, read only to refuse them: chat templates render them in
-    # ways of their own, or drop them, and tools are refused anyway.
-    tool_calls: list[Any] = Field(default_factory=list)
+    # An assistant turn's calls: [{"id", "type": "function", "function": {"name",
+    # "arguments" (JSON text)}}]; a tool turn answers one by its id.
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+    # The deprecated form of tool_calls, refused.
     function_call: dict[str, Any] | None = None
 
     def check(self, index: int) -> None:
-        """InvalidRequestError naming the field when this turn is not plain text."""
-        for name in ("tool_calls", "function_call"):
-            if getattr(self, name):
-                where = f"messages.{index}.{name}"
-                raise InvalidRequestError(
-                    f"{where}: tool calling is not supported, so a history cannot hold tool "
-                    "calls; send what they returned as text",
-                    param=where,
-                )
+        """InvalidRequestError naming the field when this turn is malformed."""
+        if self.function_call:
+            where = f"messages.{index}.function_call"
+            raise InvalidRequestError(
+                f"{where}: the deprecated function call form is not supported; send tool_calls",
+                param=where,
+            )
+        if self.tool_calls and self.role != "assistant":
+            where = f"messages.{index}.tool_calls"
+            raise InvalidRequestError(
+                f"{where}: only an assistant message holds tool calls", param=where
+            )
+        for j, call in enumerate(self.tool_calls):
+            _check_call(call, f"messages.{index}.tool_calls.{j}")
         if self.content is None and self.role != "assistant":
             where = f"messages.{index}.content"
             raise InvalidRequestError(
                 f"{where}: a {self.role} message needs content (only an assistant's may be null)",
                 param=where,
             )
+
+    def turn(self, index: int) -> tuple:
+        """This message as a PromptInput turn."""
+        calls = tuple(
+            (c.get("id", ""), c["function"]["name"], c["function"]["arguments"])
+            for c in self.tool_calls
+        )
+        return (self.role, self.text(index), calls) if calls else (self.role, self.text(index))
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -285,11 +348,59 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
+def _check_call(call: dict[str, Any], where: str) -> None:
+    function = call.get("function")
+    ok = (
+        call.get("type", "function") == "function"
+        and isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments"), str)
+        and isinstance(call.get("id", ""), str)
+    )
+    if not ok:
+        raise InvalidRequestError(
+            f'{where}: a tool call is {{"id": ..., "type": "function", "function": {{"name": '
+            '..., "arguments": "<JSON text>"}}',
+            param=where,
+        )
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Tools (tools.py): OpenAI's function entries, and which of them the model must call.
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    _tool_choice: ToolChoice = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        check_tools(self.tools)
+        self._tool_choice = tool_choice(self.tool_choice, self.tools, self.parallel_tool_calls)
+        return self
+
+    @property
+    def tool_use(self) -> ToolChoice:
+        return self._tool_choice
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the chat template renders: none when the model may not call them."""
+        return self.tools if self.tool_use.mode != "none" else []
+
+    def structured_output(self) -> StructuredOutput | None:
+        constraint = super().structured_output()
+        if not self.tool_use.forced:
+            return constraint
+        if constraint is not None:
+            raise InvalidRequestError(
+                f"tool_choice and {constraint.param}: a forced tool call is itself the output's "
+                "constraint; send one of them",
+                param="tool_choice",
+            )
+        return call_grammar(self.tools, self.tool_use)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -303,8 +414,9 @@ class ChatCompletionRequest(_Request):
             message.check(i)
         return self
 
-    def prompt_input(self) -> PromptInput:
-        return PromptInput(messages=tuple((m.role, m.text(i)) for i, m in enumerate(self.messages)))
+    def prompt_inputs(self) -> list[PromptInput]:
+        turns = tuple(m.turn(i) for i, m in enumerate(self.messages))
+        return [PromptInput(messages=turns, tools=tuple(self.offered_tools()))]
 
     def as_sent(self, error: InvalidRequestError) -> InvalidRequestError:
         if error.param == "prompt":
@@ -356,7 +468,7 @@ _UNION_TYPES = {
 }
 
 
-def parse(model: type[_Request], body: Any) -> _Request:
+def parse(model: type[Body], body: Any) -> Body:
     """A request model from a JSON body; InvalidRequestError naming the first bad field."""
     try:
         return model.model_validate(body)
@@ -366,7 +478,8 @@ def parse(model: type[_Request], body: Any) -> _Request:
         if isinstance(cause, InvalidRequestError):
             raise cause from None
         # The location, less pydantic's union-branch tags ("str", "list[str]"...).
-        path = [p for p in err["loc"] if isinstance(p, int) or p in _FIELDS]
+        fields = _FIELDS | set(model.model_fields)
+        path = [p for p in err["loc"] if isinstance(p, int) or p in fields]
         message = "must be a JSON object" if err["type"] == "model_type" else err["msg"]
         if path and len(path) < len(err["loc"]) and path[-1] in _UNION_TYPES:
             message = f"must be {_UNION_TYPES[path[-1]]}"

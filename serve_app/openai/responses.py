@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.errors import public_error, root_cause
+from serve_app.openai.tool_parser import ToolCallParser
 from workers.engine import (
     EngineDeadError,
     FinishReason,
@@ -50,16 +52,18 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(lasts: list[RequestOutput]) -> dict[str, Any]:
-    """Usage of a request whose choices ended with these outputs: the prompt counted once,
-    as OpenAI does, the completions of every choice summed."""
-    prompt = lasts[0].num_prompt_tokens
+def usage(lasts: list[RequestOutput], choices_per_prompt: int | None = None) -> dict[str, Any]:
+    """Usage of a request whose choices ended with these outputs: each prompt counted once,
+    as OpenAI does (its choices are `choices_per_prompt` in a row; None: one prompt), the
+    completions of every choice summed."""
+    firsts = lasts[:: choices_per_prompt or len(lasts)]
+    prompt = sum(out.num_prompt_tokens for out in firsts)
     completion = sum(out.num_output_tokens for out in lasts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": lasts[0].num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in firsts)},
     }
 
 
@@ -88,11 +92,20 @@ class ResponseBuilder:
         model: str,
         decode_token: Callable[[int], str],
         token_bytes: Callable[[int], bytes],
-        echo: Echo | None = None,
+        echoes: list[Echo | None] | None = None,
         prompt_logprobs: int | None = None,
+        tool_names: list[str] | None = None,
+        choices_per_prompt: int | None = None,
     ):
+        """`echoes`: each prompt's echo (a completion's choices are `choices_per_prompt`
+        per prompt, in prompt order; None: all are one prompt's); `tool_names`: the
+        functions a chat's model may call, whose calls in its text become `tool_calls`
+        (tool_parser.py); None: the text is all content."""
         self.chat = chat
-        self.echo = echo
+        self.echoes = echoes or []
+        self.n = choices_per_prompt
+        self.tool_names = tool_names
+        self._parsers: dict[int, ToolCallParser] = {}
         # vLLM's `prompt_logprobs` field: the alternatives it shows, None if not asked.
         self.prompt_logprobs = prompt_logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -112,14 +125,15 @@ class ResponseBuilder:
     ) -> tuple[str, list[_Entry]]:
         """The prompt's text and logprob entries that go before choice `index`'s text:
         with echo, in its first output (the one that carries the prompt logprobs)."""
-        if self.echo is None or index in self._opened:
+        echo = self.echoes[self._prompt_of(index)] if self.echoes else None
+        if echo is None or index in self._opened:
             return "", []
         self._opened.add(index)
-        if prompt_lps is None or self.echo.top_n is None:
-            return self.echo.text, []
-        first = (self.echo.token_ids[0], None)  # no context before it: no logprob
-        shown = [replace(lp, top=lp.top[: self.echo.top_n]) for lp in prompt_lps]
-        return self.echo.text, [first, *((lp.token_id, lp) for lp in shown)]
+        if prompt_lps is None or echo.top_n is None:
+            return echo.text, []
+        first = (echo.token_ids[0], None)  # no context before it: no logprob
+        shown = [replace(lp, top=lp.top[: echo.top_n]) for lp in prompt_lps]
+        return echo.text, [first, *((lp.token_id, lp) for lp in shown)]
 
     def _vllm_prompt_logprobs(
         self, prompt_lps: list[TokenLogprob] | None
@@ -195,10 +209,12 @@ class ResponseBuilder:
     def complete(self, choices: list[list[RequestOutput]]) -> dict[str, Any]:
         """The completion object; `choices[i]`: every output of choice i, in order."""
         body = []
-        # Unstreamed, the first choice alone computes them (openai_api.choice_params).
-        prompt_lps = choices[0][0].prompt_logprobs
-        vllm_prompt_logprobs = self._vllm_prompt_logprobs(prompt_lps)
         for index, outputs in enumerate(choices):
+            # Unstreamed, each prompt's first choice alone computes them
+            # (openai_api.choice_params).
+            first = self._prompt_of(index) * (self.n or 0)
+            prompt_lps = choices[first][0].prompt_logprobs
+            vllm_prompt_logprobs = self._vllm_prompt_logprobs(prompt_lps)
             echoed, prompt = self._echoed(prompt_lps, index)
             text = echoed + "".join(o.new_text for o in outputs)
             lps = self._logprobs([lp for o in outputs for lp in o.new_logprobs], index, prompt)
@@ -209,6 +225,11 @@ class ResponseBuilder:
             }
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if self.tool_names is not None:
+                    parser = ToolCallParser(self.tool_names)
+                    content, calls = parser.feed(text)
+                    content += parser.finish()
+                    self._with_calls(choice, "message", content, calls, range(len(calls)))
             else:
                 choice["text"] = text
                 if self.prompt_logprobs is not None:
@@ -220,7 +241,7 @@ class ResponseBuilder:
             "created": self.created,
             "model": self.model,
             "choices": body,
-            "usage": usage([outputs[-1] for outputs in choices]),
+            "usage": usage([outputs[-1] for outputs in choices], self.n),
         }
         if self.chat and self.prompt_logprobs is not None:  # vLLM's: the request's, once
             completion["prompt_logprobs"] = vllm_prompt_logprobs
@@ -238,6 +259,14 @@ class ResponseBuilder:
         }
         if self.chat:
             choice["delta"] = {"content": out.new_text}
+            if self.tool_names is not None:
+                parser = self._parsers.setdefault(index, ToolCallParser(self.tool_names))
+                first = parser.num_calls
+                content, calls = parser.feed(out.new_text)
+                if out.finished:
+                    content += parser.finish()
+                numbers = range(first, first + len(calls))
+                self._with_calls(choice, "delta", content, calls, numbers, parser.num_calls)
             if index not in self._opened:
                 self._opened.add(index)
                 choice["delta"] = {"role": "assistant", **choice["delta"]}
@@ -245,8 +274,38 @@ class ResponseBuilder:
             choice["text"] = echoed + out.new_text
         return self._event({"choices": [choice], **({"usage": None} if include_usage else {})})
 
+    @staticmethod
+    def _with_calls(
+        choice: dict[str, Any],
+        key: str,
+        content: str,
+        calls: list[tuple[str, str]],
+        numbers: range,
+        num_calls: int | None = None,
+    ) -> None:
+        """Sets a chat choice's content (None beside calls, when empty) and its calls
+        (numbered `numbers` within the choice), and the finish reason OpenAI gives a
+        choice that ended in calls; `num_calls`: the choice's calls so far (a stream's)."""
+        made = len(calls) if num_calls is None else num_calls
+        choice[key]["content"] = content if content or not calls else None
+        if calls:
+            choice[key]["tool_calls"] = [
+                {
+                    **({"index": i} if key == "delta" else {}),
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+                for i, (name, arguments) in zip(numbers, calls, strict=True)
+            ]
+        if made and choice["finish_reason"] == FinishReason.STOP.value:
+            choice["finish_reason"] = "tool_calls"
+
     def usage_chunk(self, lasts: list[RequestOutput]) -> str:
-        return self._event({"choices": [], "usage": usage(lasts)})
+        return self._event({"choices": [], "usage": usage(lasts, self.n)})
+
+    def _prompt_of(self, index: int) -> int:
+        return index // self.n if self.n else 0
 
     def _event(self, body: dict[str, Any]) -> str:
         obj = {

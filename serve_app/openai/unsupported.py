@@ -14,27 +14,21 @@ from typing import Any
 
 from workers.engine import InvalidRequestError
 
-_STRUCTURED = "structured output is not supported"
-_TOOLS = "tool calling is not supported"
+_TOOLS = "the deprecated function form is not supported; send tools"
 # Fields the engine cannot honour: (the values that ask for nothing, why). Absent or null
 # is always accepted; anything else is refused, for a client that sets one expects its
-# effect. parallel_tool_calls is not here: it only matters with tools, which are refused.
+# effect.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "one candidate per request"),
     "echo": ((False,), "the prompt is echoed by /v1/completions only"),
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none",), _TOOLS),
+    # Served by chat completions, whose request has them as fields.
+    "tools": (([],), "tools are offered on /v1/chat/completions"),
+    "tool_choice": (("none",), "tools are offered on /v1/chat/completions"),
     "functions": (([],), _TOOLS),  # the deprecated form of tools
     "function_call": (("none",), _TOOLS),
-    "response_format": (({"type": "text"},), _STRUCTURED),
-    # vLLM's structured-output extensions: no neutral value.
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED),
     # Other vLLM extensions that would change the output.
+    "guided_whitespace_pattern": ((), "JSON is generated without free whitespace"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "include_stop_str_in_output": ((False,), "a stop string is never part of the output"),
     "allowed_token_ids": ((), "restricting the vocabulary is not supported; use logit_bias"),

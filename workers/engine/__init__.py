@@ -10,6 +10,7 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import BlockHash, hash_full_blocks, root_hash
 from workers.engine.config import EngineConfig, SpeculativeConfig, kv_cache_bytes_per_block
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.grammar_compiler import GrammarCompiler
 from workers.engine.handoff.handle import KVHandle, StalePrefixError
 from workers.engine.handoff.pull_budget import PullBudget
 from workers.engine.llm_engine import LLMEngine
@@ -29,6 +30,7 @@ from workers.engine.sampling_params import (
 )
 from workers.engine.scheduler import SchedulerConfig
 from workers.engine.sequence import FinishReason
+from workers.engine.structured_output import StructuredOutput
 from workers.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     EngineDeadError,
@@ -50,6 +52,7 @@ __all__ = [
     "EngineOverloadedError",
     "EngineStats",
     "FinishReason",
+    "GrammarCompiler",
     "IncrementalDetokenizer",
     "InvalidRequestError",
     "KVHandle",
@@ -64,6 +67,7 @@ __all__ = [
     "SchedulerConfig",
     "SpeculativeConfig",
     "StalePrefixError",
+    "StructuredOutput",
     "TokenLogprob",
     "check_prompt_fits",
     "check_request",

@@ -38,7 +38,6 @@ from workers.engine.kv_cache_manager import KVEventCallback
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import EngineStats, RequestOutput
 from workers.engine.sampling_params import SamplingParams
-from workers.errors import EngineDeadError, EngineOverloadedError
 from workers.kv.layout import KVLayout
 from workers.kv.transport import KVPart, KVRef
 from workers.model.config import ModelConfig
@@ -117,7 +116,7 @@ class AsyncEngine:
         def submit(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params, cache_salt, prefill_only)
 
-        return self._stream(request_id, len(prompt), submit)
+        return self._stream(request_id, len(prompt), submit, params)
 
     async def generate_prefilled(
         self,
@@ -144,14 +143,14 @@ class AsyncEngine:
             parts = unsent.pop()
             engine.add_prefilled_request(request_id, prompt, params, handle, parts, cache_salt)
 
-        stream = self._stream(request_id, len(prompt), submit)
+        stream = self._stream(request_id, len(prompt), submit, params)
         try:
             async for out in stream:
                 if pulled:  # the first output comes after the import: the KV is in blocks
                     self.pull_budget.release(pulled)
                     pulled = 0
                 yield out
-        except (EngineOverloadedError, EngineDeadError):
+        except Exception:
             if unsent:  # refused before reaching the engine (which frees what it is given)
                 self._engine.release_prefetched_kv(unsent.pop())
             raise
@@ -170,8 +169,16 @@ class AsyncEngine:
         return await reply
 
     async def _stream(
-        self, request_id: str, num_prompt_tokens: int, submit: Callable[[LLMEngine], None]
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        submit: Callable[[LLMEngine], None],
+        params: SamplingParams,
     ) -> AsyncIterator[RequestOutput]:
+        if params.structured is not None:
+            # Compiled here, on a worker thread: the engine thread finds it cached, and
+            # a spec still compiling holds up no one else's step.
+            await self._engine.grammars.prepare(params.structured)
         loop = asyncio.get_running_loop()
         stream = Stream(request_id, loop, num_prompt_tokens)
         self._thread.add(Add(stream, submit))

@@ -27,6 +27,7 @@ import torch
 from workers.engine import prompt_logprobs
 from workers.engine.block_hash import BlockHash
 from workers.engine.config import EngineConfig, kv_cache_bytes_per_block
+from workers.engine.grammar_compiler import GrammarCompiler
 from workers.engine.handoff.decode_imports import DecodeImports
 from workers.engine.handoff.handle import KVHandle
 from workers.engine.handoff.prefill_exports import PrefillExports
@@ -36,6 +37,7 @@ from workers.engine.sampling_params import SamplingParams, TokenLogprob, check_r
 from workers.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from workers.engine.sequence import FinishReason, Sequence
 from workers.engine.speculative import NgramSpeculator, sample_with_drafts
+from workers.engine.token_masks import TokenMasks
 from workers.errors import InvalidRequestError
 from workers.kv.layout import KVLayout
 from workers.kv.transport import KVPart
@@ -111,6 +113,12 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(
             model_dir, self.model_config.eos_token_ids, self.tokenizer
         )
+        # Structured output: specs compiled once (thread-safe: AsyncEngine compiles a
+        # request's off the engine thread before adding it), masks made during the step.
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids
+        )
+        self.token_masks = TokenMasks(self.grammars.vocab_size)
         self._generator = torch.Generator().manual_seed(config.seed)
         self.speculator = (
             NgramSpeculator(config.speculative, self.max_model_len)
@@ -162,13 +170,16 @@ class LLMEngine:
                 "stop strings need an engine that detokenizes (EngineConfig.detokenize=True); "
                 "a front end that detokenizes applies them itself"
             )
-        return Sequence.start(
+        seq = Sequence.start(
             request_id,
             prompt,
             params,
             cache_salt,
             self.tokenizer.hf if self.config.detokenize else None,
         )
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """Drops a request or held handoff, freeing its blocks; False if unknown or done."""
@@ -211,11 +222,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self.ready_outputs()
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        if drafts:
+            drafts = _grammar_drafts(drafts)
         scheduled = self.scheduler.schedule(drafts).scheduled
         if not scheduled:
             self.kv.flush_events()
             return outputs
         sampling = [s for s in scheduled if s.samples]
+        # The grammars' masks are computed while the model runs.
+        masks = self.token_masks.start([(s.seq.grammar, s.draft_token_ids) for s in sampling])
         output = self.runner.execute(StepInput([self._chunk(s) for s in scheduled]))
         for i, rows in output.prompt_logprobs.items():
             prompt_logprobs.record(scheduled[i].seq, rows)
@@ -233,6 +248,7 @@ class LLMEngine:
             [(s.seq, s.draft_token_ids) for s in sampling],
             self._generator,
             self.eos_token_ids,
+            masks.result() if masks is not None else None,
         )
         now = time.monotonic()
         outputs += [self._accept(s, picked, now) for s, picked in zip(sampling, picks, strict=True)]
@@ -457,6 +473,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Releases the TP worker processes, if any; the engine is unusable afterwards."""
+        self.token_masks.shutdown()
         if isinstance(self.runner, TPWorkerGroup):
             self.runner.shutdown()
 
@@ -487,6 +504,18 @@ class LLMEngine:
                 self.speculator.num_accepted_tokens if self.speculator else 0
             ),
         )
+
+
+def _grammar_drafts(drafts: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
+    """Drafts cut to the prefix each sequence's grammar allows (none if it allows none):
+    a draft the grammar refuses would never be sampled, so checking it wastes a row."""
+    kept = {}
+    for seq, tokens in drafts.items():
+        if seq.grammar is not None:
+            tokens = tokens[: seq.grammar.num_valid(tokens)]
+        if tokens:
+            kept[seq] = tokens
+    return kept
 
 
 def _timing(seq: Sequence, now: float) -> RequestTiming:

@@ -128,9 +128,21 @@ def top_logprobs(
             continue
         top = ()
         if n:
-            top = tuple(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True))
+            pairs = zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True)
+            # A grammar may allow fewer than n tokens: the rest are impossible, not ranked.
+            top = tuple((t, v) for t, v in pairs if v != float("-inf"))
         out.append(TokenLogprob(int(token_ids[row]), chosen[row], top))
     return out
+
+
+def apply_token_mask(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> torch.Tensor:
+    """`logits` with each of `rows` limited to the tokens its row of `allowed` (bool,
+    [len(rows), >= V]) allows: a structured-output request's grammar."""
+    logits = logits.clone()
+    index = torch.tensor(rows)
+    keep = allowed[:, : logits.shape[1]]
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    return logits
 
 
 def sample(
@@ -140,12 +152,16 @@ def sample(
     default_generator: torch.Generator,
     history: list[tuple[list[int], list[int]]] | None = None,
     eos_token_ids: Collection[int] = (),
+    mask: tuple[list[int], torch.Tensor] | None = None,
 ) -> SamplerOutput:
     """logits: [B, V] float32, one row per request that samples this step. `history`:
     each row's (prompt, output) token ids, needed by rows that adjust their logits
-    (`SamplingParams.adjusts_logits`). Logprobs are the model's own (before penalties,
-    bias and bans), as vLLM reports them by default."""
+    (`SamplingParams.adjusts_logits`). `mask`: the rows a grammar constrains and the
+    tokens each may take (token_masks.py). Logprobs are the model's own after the
+    grammar's mask (before penalties, bias and bans), as vLLM reports them by default."""
     raw = logits = logits.float()
+    if mask is not None:
+        raw = logits = apply_token_mask(logits, *mask)
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
     if adjusted:
         assert history is not None and len(history) == len(params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from workers.engine.structured_output import StructuredOutput
 from workers.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -61,6 +62,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Output tokens before EOS, a stop token id or a stop string may end the request.
     min_tokens: int = 0
+    # What the output must match (a JSON schema, a regex...): every token is sampled
+    # from those its grammar allows, and the request ends when the grammar is complete.
+    structured: StructuredOutput | None = None
 
     # Lists (and a dict for logit_bias) are accepted for convenience and frozen.
     def __post_init__(self) -> None:
@@ -86,6 +90,11 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} must be an integer, got {getattr(self, name)!r}", param=name
                 )
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError(
+                f"structured must be a StructuredOutput, got {type(self.structured).__name__}",
+                param="structured",
+            )
         self._validate()
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)

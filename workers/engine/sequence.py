@@ -11,6 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from workers.engine.block_hash import BlockHash
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.grammar_matcher import GrammarMatcher
 from workers.engine.sampling_params import SamplingParams, TokenLogprob, stops_on_token
 
 
@@ -37,6 +38,8 @@ class Sequence:
     cache_salt: str | None = None
     # Stop after the first token and hold the blocks for a KV handoff.
     prefill_only: bool = False
+    # Structured output: where the output stands in its grammar (None: unconstrained).
+    grammar: GrammarMatcher | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # With params.prompt_logprobs: entry i is prompt token i + 1's, from the logits at
@@ -146,8 +149,15 @@ class Sequence:
         params = self.params
         # Short of min_tokens the sampler never picks a stop token, and stop strings wait.
         check_stop = len(self.output_token_ids) >= params.min_tokens
-        if stops_on_token(token, params, eos_token_ids) or (
-            self.detokenizer is not None and self.detokenizer.add_token(token, check_stop)
+        stop_token = stops_on_token(token, params, eos_token_ids)
+        if not stop_token and self.grammar is not None:
+            # The sampler took the token from those the grammar allows; a complete
+            # grammar (or, never expected, a broken one) takes no more.
+            self.grammar.accept(token)
+        if (
+            stop_token
+            or (self.detokenizer is not None and self.detokenizer.add_token(token, check_stop))
+            or (self.grammar is not None and self.grammar.done)
         ):
             return FinishReason.STOP
         if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:

@@ -121,11 +121,13 @@ def sample_with_drafts(
     sequences: list[tuple[Sequence, tuple[int, ...]]],
     default_generator: torch.Generator,
     eos_token_ids: Collection[int],
+    mask: tuple[list[int], torch.Tensor] | None = None,
 ) -> list[list[tuple[int, TokenLogprob | None]]]:
     """Samples a step's logits: one row per sequence and per draft it carries, each with
     the history its position would have if the drafts before it are accepted. Returns
     each sequence's (token, logprob) picks in position order, up to and including the
-    first that differs from its draft.
+    first that differs from its draft. `mask`: the grammar-constrained rows, in that row
+    order (token_masks.py).
 
     A seeded request's generator ends as if only the kept rows had drawn (each random
     row draws once, in order), so its tokens are the ones it gets without speculation,
@@ -149,6 +151,7 @@ def sample_with_drafts(
             for seq, before in rows
         ],
         eos_token_ids,
+        mask,
     )
     picked = iter(zip(result.token_ids, result.logprobs, strict=True))
     picks = []

@@ -16,6 +16,8 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from workers.model.tool_calls import inline_tools, parse_arguments
+
 _SPECIAL_TOKEN_NAMES = (
     "bos_token",
     "eos_token",
@@ -127,6 +129,9 @@ class Tokenizer:
         # OpenAI's developer messages are its system messages under a newer name; a
         # template that does not name the role renders them as system messages.
         self._renames_developer = bool(template) and "developer" not in template
+        # A template that names them renders tools, calls and results itself; for one
+        # that does not, tool_calls.inline_tools writes them into its messages.
+        self.renders_tools = bool(template) and "tools" in template
         if template:
             self._chat_template = _template_environment().from_string(template)
 
@@ -167,13 +172,25 @@ class Tokenizer:
         return token.replace("\u2581", " ").encode()
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """`messages` in OpenAI's shape (an assistant's may carry `tool_calls`, a tool
+        result has role "tool"); `tools`: OpenAI's function entries offered to the model."""
         if self._chat_template is None:
             raise ValueError("messages: this model has no chat template; send a plain prompt")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] must have 'role' and 'content'")
+        uses_tools = bool(tools) or any(
+            m.get("tool_calls") or m["role"] == "tool" for m in messages
+        )
+        if uses_tools and not self.renders_tools:
+            messages, tools = inline_tools(messages, tools), None
+        elif uses_tools:
+            messages = [_with_parsed_arguments(m) for m in messages]
         if self._renames_developer:
             messages = [
                 {**m, "role": "system"} if m["role"] == "developer" else m for m in messages
@@ -181,15 +198,32 @@ class Tokenizer:
         return self._chat_template.render(
             messages=messages,
             # Given as None, as transformers does: templates test `tools is not none`.
-            tools=None,
+            tools=list(tools) if tools else None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self._special_tokens,
         )
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         # The template writes any BOS itself, so the tokenizer must not add another.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        text = self.apply_chat_template(messages, tools=tools)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """A turn for a template that renders tool calls: their arguments as objects (OpenAI
+    sends JSON text, which a template's `tojson` would quote again)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = call["function"]
+        arguments = parse_arguments(function["arguments"])
+        parsed.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "tool_calls": parsed}
 
 
 def eos_token_ids(

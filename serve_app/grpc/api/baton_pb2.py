@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x62\x61ton/v1/baton.proto\x12\x08\x62\x61ton.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x89\x06\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\r\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0f \x01(\t\x12\x18\n\x10presence_penalty\x18\x10 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x11 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x01H\x07\x88\x01\x01\x12\r\n\x05min_p\x18\x13 \x01(\x01\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.baton.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x15 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12*\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x07\n\x05_rank\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12/\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\x12\n\x10ModelInfoRequest\"\xe5\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x07 \x01(\r\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12$\n\x1cprefill_tensor_parallel_size\x18\t \x01(\r\x12#\n\x1b\x64\x65\x63ode_tensor_parallel_size\x18\n \x01(\r\x12\x1c\n\x14num_prefill_replicas\x18\x0b \x01(\r\x12\x1b\n\x13num_decode_replicas\x18\x0c \x01(\r\x12\x15\n\rprefill_dtype\x18\r \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_dtype\x18\x0e \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x98\x02\n\x05\x42\x61ton\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x46\n\rGenerateUnary\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12?\n\x0cGetModelInfo\x12\x1a.baton.v1.ModelInfoRequest\x1a\x13.baton.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x62\x61ton/v1/baton.proto\x12\x08\x62\x61ton.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc0\x06\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x08 \x01(\r\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x06\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0f \x01(\t\x12\x18\n\x10presence_penalty\x18\x10 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x11 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x01H\x07\x88\x01\x01\x12\r\n\x05min_p\x18\x13 \x01(\x01\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.baton.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x15 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\rH\x08\x88\x01\x01\x12\x35\n\x11structured_output\x18\x17 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x9a\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.baton.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12*\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x07\n\x05_rank\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12/\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\x12\n\x10ModelInfoRequest\"\xe5\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x07 \x01(\r\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12$\n\x1cprefill_tensor_parallel_size\x18\t \x01(\r\x12#\n\x1b\x64\x65\x63ode_tensor_parallel_size\x18\n \x01(\r\x12\x1c\n\x14num_prefill_replicas\x18\x0b \x01(\r\x12\x1b\n\x13num_decode_replicas\x18\x0c \x01(\r\x12\x15\n\rprefill_dtype\x18\r \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_dtype\x18\x0e \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x98\x02\n\x05\x42\x61ton\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x46\n\rGenerateUnary\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12?\n\x0cGetModelInfo\x12\x1a.baton.v1.ModelInfoRequest\x1a\x13.baton.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1965
-  _globals['_FINISHREASON']._serialized_end=2085
+  _globals['_FINISHREASON']._serialized_start=2208
+  _globals['_FINISHREASON']._serialized_end=2328
   _globals['_CHATMESSAGE']._serialized_start=34
   _globals['_CHATMESSAGE']._serialized_end=78
   _globals['_CHATMESSAGES']._serialized_start=80
@@ -44,25 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=137
   _globals['_TOKENIDS']._serialized_end=160
   _globals['_GENERATEREQUEST']._serialized_start=163
-  _globals['_GENERATEREQUEST']._serialized_end=940
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=752
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=800
-  _globals['_TOPLOGPROB']._serialized_start=942
-  _globals['_TOPLOGPROB']._serialized_end=989
-  _globals['_TOKENLOGPROB']._serialized_start=991
-  _globals['_TOKENLOGPROB']._serialized_end=1112
-  _globals['_USAGE']._serialized_start=1114
-  _globals['_USAGE']._serialized_end=1201
-  _globals['_GENERATERESPONSE']._serialized_start=1204
-  _globals['_GENERATERESPONSE']._serialized_end=1445
-  _globals['_TOKENIZEREQUEST']._serialized_start=1447
-  _globals['_TOKENIZEREQUEST']._serialized_end=1529
-  _globals['_TOKENIZERESPONSE']._serialized_start=1531
-  _globals['_TOKENIZERESPONSE']._serialized_end=1583
-  _globals['_MODELINFOREQUEST']._serialized_start=1585
-  _globals['_MODELINFOREQUEST']._serialized_end=1603
-  _globals['_MODELINFO']._serialized_start=1606
-  _globals['_MODELINFO']._serialized_end=1963
-  _globals['_BATON']._serialized_start=2088
-  _globals['_BATON']._serialized_end=2368
+  _globals['_GENERATEREQUEST']._serialized_end=995
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=807
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=855
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=998
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1152
+  _globals['_CHOICELIST']._serialized_start=1154
+  _globals['_CHOICELIST']._serialized_end=1183
+  _globals['_TOPLOGPROB']._serialized_start=1185
+  _globals['_TOPLOGPROB']._serialized_end=1232
+  _globals['_TOKENLOGPROB']._serialized_start=1234
+  _globals['_TOKENLOGPROB']._serialized_end=1355
+  _globals['_USAGE']._serialized_start=1357
+  _globals['_USAGE']._serialized_end=1444
+  _globals['_GENERATERESPONSE']._serialized_start=1447
+  _globals['_GENERATERESPONSE']._serialized_end=1688
+  _globals['_TOKENIZEREQUEST']._serialized_start=1690
+  _globals['_TOKENIZEREQUEST']._serialized_end=1772
+  _globals['_TOKENIZERESPONSE']._serialized_start=1774
+  _globals['_TOKENIZERESPONSE']._serialized_end=1826
+  _globals['_MODELINFOREQUEST']._serialized_start=1828
+  _globals['_MODELINFOREQUEST']._serialized_end=1846
+  _globals['_MODELINFO']._serialized_start=1849
+  _globals['_MODELINFO']._serialized_end=2206
+  _globals['_BATON']._serialized_start=2331
+  _globals['_BATON']._serialized_end=2611
 # @@protoc_insertion_point(module_scope)
