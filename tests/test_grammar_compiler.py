@@ -77,6 +77,10 @@ def test_drafts_are_checked_against_the_grammar(compiler, tokenizer):
     [
         (StructuredOutput.json_schema({"type": "strin"}, "guided_json"), "strin"),
         (StructuredOutput.json_schema({"type": "string", "format": "x"}, "guided_json"), "format"),
+        (
+            StructuredOutput.json_schema({"type": "array", "contains": {}}, "guided_json"),
+            "Unimplemented keys.*contains",
+        ),
         (StructuredOutput("regex", "[a-z", "guided_regex"), "regex"),
         (StructuredOutput("grammar", "start: foo", "guided_grammar"), "foo"),
         (StructuredOutput("grammar", "start: (", "guided_grammar"), "Expected token"),

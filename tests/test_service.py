@@ -396,21 +396,25 @@ _TOPICS = [
 ]  # fmt: skip
 
 
+def _langchain_model(service, app: str, temperature: float, max_tokens: int):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        base_url=f"{service['http']}/{app}/v1",
+        api_key="unused",
+        model="SmolLM2-135M-Instruct",
+        temperature=temperature,
+        max_tokens=max_tokens,
+    )
+
+
 def _person_prompt(topic: str) -> str:
     return f"Invent {topic}. Give their name, age, city and hobbies."
 
 
 def test_langchain_and_the_openai_sdk_get_schema_valid_output_at_temperature_1(service):
-    from langchain_openai import ChatOpenAI
-
     schema = _Person.model_json_schema()
-    llm = ChatOpenAI(
-        base_url=f"{service['http']}/disagg/v1",
-        api_key="unused",
-        model="SmolLM2-135M-Instruct",
-        temperature=1.0,
-        max_tokens=160,
-    )
+    llm = _langchain_model(service, "disagg", temperature=1.0, max_tokens=160)
     people = llm.with_structured_output(_Person).batch(
         [_person_prompt(t) for t in _TOPICS], config={"max_concurrency": 8}
     )
@@ -502,15 +506,10 @@ _WEATHER = {
 
 def test_bound_tools_with_a_required_choice_give_calls_whose_arguments_validate(service):
     from langchain_core.messages import ToolMessage
-    from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(
-        base_url=f"{service['http']}/disagg/v1",
-        api_key="unused",
-        model="SmolLM2-135M-Instruct",
-        temperature=1.0,
-        max_tokens=120,
-    ).bind_tools([_WEATHER], tool_choice="required", parallel_tool_calls=False)
+    llm = _langchain_model(service, "disagg", temperature=1.0, max_tokens=120).bind_tools(
+        [_WEATHER], tool_choice="required", parallel_tool_calls=False
+    )
     questions = [f"What is the weather in {c}?" for c in ("Paris", "Lima", "Oslo", "Cairo")]
     replies = llm.batch(questions, config={"max_concurrency": 4})
     for reply in replies:
@@ -518,13 +517,7 @@ def test_bound_tools_with_a_required_choice_give_calls_whose_arguments_validate(
         assert call["name"] == "get_weather"
         jsonschema.validate(call["args"], _WEATHER["function"]["parameters"])
     # The calls and their results go back in the history; the model answers in text.
-    answer = ChatOpenAI(
-        base_url=f"{service['http']}/agg/v1",
-        api_key="unused",
-        model="SmolLM2-135M-Instruct",
-        temperature=0.0,
-        max_tokens=24,
-    ).invoke(
+    answer = _langchain_model(service, "agg", temperature=0.0, max_tokens=24).invoke(
         [
             ("user", questions[0]),
             replies[0],
