@@ -46,6 +46,10 @@ def test_inlined_tools_go_into_the_system_message_and_results_into_a_user_turn()
     assert inlined[2]["content"] == call_text("add", {"a": 1})
     assert inlined[3]["content"] == "<tool_response>\n3\n</tool_response>"
     assert inline_tools(HISTORY[:1], TOOLS)[0]["role"] == "system"  # one is added
+    # Results in a row are one user turn, so turns still alternate.
+    two = [*HISTORY, {"role": "tool", "content": "4"}]
+    assert [m["role"] for m in inline_tools(two, None)] == ["user", "assistant", "user"]
+    assert inline_tools(two, None)[-1]["content"].count("<tool_response>") == 2
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def inline_tools(
 ) -> list[dict[str, str]]:
     """`messages` (OpenAI's shape: tool_calls on assistant turns, role "tool" for their
     results) as plain role/content messages, with `tools` offered in the system message."""
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for m in messages:
         content = m.get("content") or ""
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -69,9 +69,16 @@ def inline_tools(
             ]
             content = "\n".join(([content] if content else []) + calls)
         if m["role"] == "tool":
-            out.append({"role": "user", "content": f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"})
+            result = f"{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}"
+            if out and out[-1].get("tool_results"):
+                # Results in a row are one user turn: templates that insist on turns
+                # alternating between user and assistant take them.
+                out[-1]["content"] += "\n" + result
+            else:
+                out.append({"role": "user", "content": result, "tool_results": True})
             continue
         out.append({"role": m["role"], "content": content})
+    out = [{"role": m["role"], "content": m["content"]} for m in out]
     if tools:
         offer = tools_prompt(tools)
         if out and out[0]["role"] in ("system", "developer"):
