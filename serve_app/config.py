@@ -158,6 +158,9 @@ class RouterConfig(_Frozen):
     num_cpus: float = Field(0.5, ge=0)
     resources: CustomResources = Field(default_factory=dict)
     max_ongoing_requests: int = Field(256, ge=1)
+    # Times one request may be migrated to another replica when the one serving it fails
+    # (router.py); 0 fails it at once, with a retryable error.
+    max_migrations: int = Field(3, ge=0)
 
 
 class AppConfig(_Frozen):

@@ -33,6 +33,15 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def unavailable(exc: BaseException) -> bool:
+    """Whether `exc` says the replica serving a request is gone or broken (the request
+    may go on elsewhere), rather than that the request itself failed."""
+    return isinstance(
+        root_cause(exc),
+        (EngineDeadError, RayActorError, DeploymentUnavailableError, SubscriptionLost),
+    )
+
+
 def public_error(exc: BaseException) -> tuple[str, str]:
     """(kind, message): kind is invalid | unauthenticated | overloaded | unavailable |
     cancelled | internal."""
@@ -41,9 +50,7 @@ def public_error(exc: BaseException) -> tuple[str, str]:
         return "unauthenticated", _line(cause)
     if isinstance(cause, (EngineOverloadedError, BackPressureError)):
         return "overloaded", f"the service is at capacity; retry later ({_line(cause)})"
-    if isinstance(
-        cause, (EngineDeadError, RayActorError, DeploymentUnavailableError, SubscriptionLost)
-    ):
+    if unavailable(cause):
         return "unavailable", f"no healthy replica could serve the request ({_line(cause)})"
     if isinstance(cause, InvalidRequestError):
         return "invalid", _line(cause)

@@ -61,6 +61,7 @@ SERIES = {
     "baton_kv_handoff_seconds": "histogram",
     "baton_handoff_recomputed_prompt_tokens_total": "counter",
     "baton_local_prefills_total": "counter",
+    "baton_request_migrations_total": "counter",
     "baton_gpu_memory_used_bytes": "gauge",
     "baton_gpu_memory_total_bytes": "gauge",
     "baton_gpu_utilization_ratio": "gauge",
@@ -115,6 +116,11 @@ class RouterMetrics:
         )
         self.prompt_tokens = Counter("vllm_prompt_tokens_total", "Prompt tokens served.", keys)
         self.generation_tokens = Counter("vllm_generation_tokens_total", "Tokens generated.", keys)
+        self.migrations = Counter(
+            "baton_request_migrations_total",
+            "Requests sent again to the pool after the replica serving them failed.",
+            keys,
+        )
 
     def first_token(self, api: str, seconds: float) -> None:
         self.ttft.observe(seconds, {**self._tags, "api": api})
@@ -141,6 +147,9 @@ class RouterMetrics:
         self.request_prompt_tokens.observe(prompt_tokens, tags)
         self.request_generation_tokens.observe(output_tokens, tags)
         self.success.inc(1, {**tags, "finished_reason": finish_reason})
+
+    def migrated(self, api: str) -> None:
+        self.migrations.inc(1, {**self._tags, "api": api})
 
     def generated(self, api: str, num_tokens: int) -> None:
         """The tokens one choice of a request generated."""

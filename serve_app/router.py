@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.api_keys import ApiKeys, authorization
 from serve_app.config import AppConfig
-from serve_app.errors import public_error
+from serve_app.errors import public_error, unavailable
 from serve_app.grpc.api import baton_pb2 as pb
 from serve_app.grpc.health import HealthService
 from serve_app.grpc.service import (
@@ -58,7 +58,13 @@ from serve_app.routing.registry_lookup import RegistryLookup
 from serve_app.streaming.output_demux import OutputDemux
 from serve_app.streaming.stream_merge import merge_streams
 from serve_app.streaming.text_stream import TextStream
-from workers.engine import InvalidRequestError, RequestOutput, SamplingParams
+from workers.engine import (
+    EngineDeadError,
+    FinishReason,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+)
 from workers.model import model_identity
 
 logger = logging.getLogger(__name__)
@@ -74,6 +80,9 @@ except importlib.metadata.PackageNotFoundError:  # run from a checkout, not inst
 INLINE_TOKENIZE_CHARS = 16_384
 # How long a request waits for the prefix registry's routing hints before going without.
 REGISTRY_WAIT_S = 0.25
+# A migrated request waits this long before its first new attempt, twice as long before
+# each next one: Serve needs a moment to see a replica gone and route around it.
+MIGRATION_BACKOFF_S = 0.25
 # No generated docs: every path but /health needs the API key where one is set, and
 # the API is OpenAI's, documented there.
 http_app = FastAPI(
@@ -148,6 +157,7 @@ class Router(HealthService):
         # (engine_server.py), as its result carries ObjectRefs to the exported KV.
         self.pool = pool.options(stream=True, _by_reference=config.output_channel == "actor_call")
         self.metrics = RouterMetrics(app_name, self.served_model_name)
+        self.max_migrations = config.router.max_migrations
         self.demux = OutputDemux(self.pool.subscribe.remote)
 
     def __del__(self) -> None:
@@ -185,33 +195,80 @@ class Router(HealthService):
     ) -> AsyncIterator[RequestOutput]:
         """The pool's outputs for one choice of a checked request, with their text; its
         inter-token gaps and tokens go to the metrics (the request itself is counted
-        around all its choices, by `RouterMetrics.request`)."""
+        around all its choices, by `RouterMetrics.request`).
+
+        A replica that fails under the request (it dies, its engine fails, the output
+        subscription is lost, it aborts the request as it shuts down) costs the client
+        nothing: the request is migrated, sent again to the pool as its prompt and the
+        tokens already sent (`SamplingParams.resumed_tokens`), and its stream goes on
+        where it stopped, up to `RouterConfig.max_migrations` times."""
         last: RequestOutput | None = None
         last_at = time.perf_counter()
-        call = self.pool.generate.remote(request)
-        outputs = self.demux.outputs(request.request_id, call)
-        engine_done = False  # the engine's own last output arrived (not a stop string's)
+        emitted: list[int] = []  # the tokens sent on, which a migrated request resumes after
+        migrations = 0
         try:
-            async for out in outputs:
-                engine_done = out.finished
-                out = text.add(out)
-                now = time.perf_counter()
-                if last is not None and out.new_token_ids:
-                    self.metrics.next_tokens(api, now - last_at, len(out.new_token_ids))
-                last, last_at = out, now
-                yield out
-                if text.stopped:
-                    # The output ended at a stop string while the engine still decodes.
-                    break
+            while True:
+                call = self.pool.generate.remote(request)
+                outputs = self.demux.outputs(request.request_id, call)
+                engine_done = False  # the engine's own last output arrived
+                try:
+                    async for out in outputs:
+                        if out.finish_reason is FinishReason.ABORT:
+                            # Not this router's cancel (it stops reading first): the
+                            # replica is stopping under the request.
+                            raise EngineDeadError("the replica stopped under the request")
+                        engine_done = out.finished
+                        emitted += out.new_token_ids
+                        out = text.add(out)
+                        now = time.perf_counter()
+                        if last is not None and out.new_token_ids:
+                            self.metrics.next_tokens(api, now - last_at, len(out.new_token_ids))
+                        last, last_at = out, now
+                        yield out
+                        if text.stopped:
+                            # The output ended at a stop string while the engine decodes.
+                            break
+                    return
+                except Exception as e:
+                    if not unavailable(e) or migrations >= self.max_migrations:
+                        raise
+                    migrations += 1
+                    self.metrics.migrated(api)
+                    logger.warning(
+                        "request %s: its replica failed after %d tokens (%s); migrating it "
+                        "(attempt %d of %d)",
+                        request.request_id, len(emitted), e, migrations,
+                        self.max_migrations,
+                    )  # fmt: skip
+                    await asyncio.sleep(MIGRATION_BACKOFF_S * 2 ** (migrations - 1))
+                    request = await self._resumed(request, emitted)
+                finally:
+                    if not engine_done:
+                        # Said outright (stop string, client gone, a failure), not left to
+                        # Serve's parent-request bookkeeping or garbage collection: the
+                        # replica's generator is cancelled now, so its engine aborts the
+                        # request and frees its blocks at once.
+                        call.cancel()
+                    await outputs.aclose()  # its finally clauses only drop what it registered
         finally:
-            if not engine_done:
-                # Said outright (stop string, client gone, a failure here), not left to
-                # Serve's parent-request bookkeeping or garbage collection: the pool
-                # replica's generator is cancelled now, so its engine aborts the request
-                # and frees its blocks at once.
-                call.cancel()
-            await outputs.aclose()  # its finally clauses only drop what it registered
             self.metrics.generated(api, last.num_output_tokens if last else 0)
+
+    async def _resumed(self, lost: EngineRequest, emitted: list[int]) -> EngineRequest:
+        """`lost` to send again, with the tokens it already sent as the end of its prompt:
+        a new id (the failed replica may still hold the old one), the block hashes and
+        routing hints of the longer prompt, no prompt logprobs (they were sent)."""
+        params = lost.params
+        prompt = list(lost.prompt_token_ids)
+        if emitted:
+            # `emitted` holds every token sent since the client's request, whose prompt
+            # is the lost one's less what an earlier migration resumed after.
+            prompt = prompt[: len(prompt) - params.resumed_tokens] + emitted
+            params = replace(params, resumed_tokens=len(emitted), prompt_logprobs=None)
+        request = self.frontend.build_request(uuid.uuid4().hex, prompt, params, lost.cache_salt)
+        if request.block_hashes:
+            hits = await self.registry.longest_prefixes(request.block_hashes)
+            request = replace(request, prefix_hits=hits)
+        return replace(request, router_id=self.demux.router_id)
 
     async def _tokenize(self, prompt: PromptInput, to_generate: bool = True) -> list[int]:
         """The prompt's tokens; one `to_generate` from is refused first if it cannot fit

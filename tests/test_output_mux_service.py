@@ -1,7 +1,11 @@
 """Multiplexed outputs (serve_app/streaming/output_channels.py) when an engine replica dies
-under them, against a real Serve on the real model (the protocol itself: test_output_mux.py)."""
+under them, and the router's migration of its requests, against a real Serve on the real
+model (the protocol itself: test_output_mux.py)."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import grpc
 import pytest
@@ -12,10 +16,14 @@ from service_helpers import KV, wait_for
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.ops import service_ops
 from serve_app.ops.client import BatonClient, generate_request
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 APP = "dying"
+MAX_NEW = 96
 
 
 def _engine_stats() -> dict:
@@ -34,46 +42,62 @@ def _answers(client: BatonClient) -> bool:
     return reply.usage.completion_tokens == 2
 
 
-def test_a_dying_engine_replica_fails_its_muxed_streams_as_unavailable_and_is_replaced(
+def test_streams_on_a_dying_replica_migrate_to_its_replacement_and_lose_nothing(
     ray_cluster, smollm2_dir, serve_ports
 ):
+    """kill -9 of the only engine replica's process while 3 greedy streams and a seeded
+    sampled one decode on it: each goes on, once Serve has a replacement, with the text it
+    would have had undisturbed (router.py's migration), and usage counts it once."""
     config = AppConfig(
         model=str(smollm2_dir),
         mode="aggregated",
         aggregated=PoolConfig(kv_cache_bytes=KV),
         status_board_name="baton-status-dying",
     )
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), kv_cache_bytes=KV))
+    kinds = [{"temperature": 0.0}] * 3 + [{"temperature": 0.8, "seed": 11}]
+    texts = [f"Story {i}: once upon a time" for i in range(4)]
+    expected = [
+        engine.generate(
+            [engine.tokenizer.encode(t)],
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **kind),
+        )[0].output_token_ids
+        for t, kind in zip(texts, kinds, strict=True)
+    ]
     service_ops.deploy(config, app_name=APP, route_prefix=f"/{APP}", **serve_ports)
     try:
         with BatonClient(f"127.0.0.1:{serve_ports['grpc_port']}", application=APP) as client:
             # The first request streams on its call; the router then subscribes.
             assert _answers(client)
             wait_for(_subscribed, "a subscription", poll_s=0.2)
-            long = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
             streams = [
-                client.generate(generate_request(f"Story {i}:", **long), timeout=120)
-                for i in range(3)
+                client.generate(
+                    generate_request(t, max_tokens=MAX_NEW, ignore_eos=True, **kind), timeout=180
+                )
+                for t, kind in zip(texts, kinds, strict=True)
             ]
-            for stream in streams:
-                assert next(stream).token_ids  # each is decoding
-            assert _engine_stats()["mux"]["num_muxed_requests"] == 3
-
-            (name,) = [
-                a["name"]
-                for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith(f"SERVE_REPLICA::{APP}#EngineServer")
+            firsts = [next(stream) for stream in streams]  # each is decoding
+            assert all(f.token_ids for f in firsts)
+            (pid,) = [
+                a["Pid"]
+                for a in ray._private.state.actors().values()  # the GCS's actor table
+                if a["State"] == "ALIVE"
+                and a["Name"].startswith(f"SERVE_REPLICA::{APP}#EngineServer")
             ]
-            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            os.kill(pid, signal.SIGKILL)
 
-            for stream in streams:
-                with pytest.raises(grpc.RpcError) as err:
-                    for _ in stream:
-                        pass
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
-                assert "Traceback" not in err.value.details()
-            # Serve starts a replacement; the router streams to it, and subscribes anew.
-            wait_for(lambda: _answers(client), "the replacement replica to answer", poll_s=0.2)
+            for first, stream, want in zip(firsts, streams, expected, strict=True):
+                rest = list(stream)
+                got = list(first.token_ids) + [t for r in rest for t in r.token_ids]
+                assert got == want
+                assert rest[-1].usage.completion_tokens == MAX_NEW
+            # Serve started a replacement; the router subscribed to it, and no block is held.
             wait_for(_subscribed, "a new subscription", poll_s=0.2)
+            wait_for(
+                lambda: _engine_stats()["engine"]["num_running"] == 0, "the replica to go idle"
+            )
+            stats = _engine_stats()["engine"]
+            assert stats["num_free_blocks"] == stats["num_total_blocks"] > 0
     finally:
         serve.delete(APP)
         serve.shutdown()

@@ -176,9 +176,13 @@ class LLMEngine:
             params,
             cache_salt,
             self.tokenizer.hf if self.config.detokenize else None,
+            self.model_config.vocab_size,
         )
         if params.structured is not None:
             seq.grammar = self.grammars.matcher(params.structured)
+            # A resumed request's output so far is where its grammar stands.
+            for token in prompt[len(prompt) - params.resumed_tokens :]:
+                seq.grammar.accept(token)
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -319,8 +323,8 @@ class LLMEngine:
             [logprob] if logprob is not None else [],
             finished=reason is not None or handing_off,
             finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(seq.output_token_ids),
+            num_prompt_tokens=seq.num_input_tokens,
+            num_output_tokens=seq.num_generated,
             num_cached_tokens=seq.num_cached_tokens,
             handoff=handoff,
             prompt_logprobs=(

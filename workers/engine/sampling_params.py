@@ -65,6 +65,11 @@ class SamplingParams:
     # What the output must match (a JSON schema, a regex...): every token is sampled
     # from those its grammar allows, and the request ends when the grammar is complete.
     structured: StructuredOutput | None = None
+    # A migrated request (one resumed on another replica after its first one failed):
+    # the last this many prompt tokens are its output so far, which count towards
+    # max_tokens and min_tokens, the penalties, the grammar and a seeded generator as the
+    # tokens it generated, so it goes on as the lost request would have.
+    resumed_tokens: int = 0
 
     # Lists (and a dict for logit_bias) are accepted for convenience and frozen.
     def __post_init__(self) -> None:
@@ -85,7 +90,8 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} must be true or false, got {getattr(self, name)!r}", param=name
                 )
-        for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens"):
+        numbers = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens")
+        for name in (*numbers, "resumed_tokens"):
             if isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(
                     f"{name} must be an integer, got {getattr(self, name)!r}", param=name
@@ -194,6 +200,12 @@ class SamplingParams:
                 f"got {self.min_tokens!r}",
                 param="min_tokens",
             )
+        if not (isinstance(self.resumed_tokens, int) and 0 <= self.resumed_tokens < self.max_tokens):
+            raise InvalidRequestError(
+                f"resumed_tokens must be an integer in [0, max_tokens={self.max_tokens}), "
+                f"got {self.resumed_tokens!r}",
+                param="resumed_tokens",
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(
                 f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}", param="min_p"
@@ -255,11 +267,19 @@ def check_request(
             param="prompt",
         )
     params.check_against(vocab_size)
-    total = len(prompt_token_ids) + params.max_tokens
+    if params.resumed_tokens >= len(prompt_token_ids):
+        raise InvalidRequestError(
+            f"resumed_tokens ({params.resumed_tokens}) must be fewer than the prompt's "
+            f"{len(prompt_token_ids)} tokens",
+            param="resumed_tokens",
+        )
+    # A resumed request's output so far is in its prompt, and in max_tokens too.
+    total = len(prompt_token_ids) - params.resumed_tokens + params.max_tokens
     if total > max_model_len:
         raise InvalidRequestError(
             f"this model's maximum context length is {max_model_len} tokens, and the "
-            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+            f"prompt ({len(prompt_token_ids) - params.resumed_tokens} tokens) + max_tokens "
+            f"({params.max_tokens}) "
             f"asks for {total}; lower max_tokens or shorten the prompt",
             param="max_tokens",
             code=CONTEXT_LENGTH_EXCEEDED,

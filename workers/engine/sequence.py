@@ -78,9 +78,12 @@ class Sequence:
         params: SamplingParams,
         cache_salt: str | None,
         tokenizer: HFTokenizer | None,
+        vocab_size: int = 0,
     ) -> Sequence:
         """A new request's sequence: its own generator if seeded, and text (stop strings
-        included) made as it goes if given the tokenizer."""
+        included) made as it goes if given the tokenizer. A resumed request's generator
+        is past the draws of its output so far (one row of `vocab_size`, the sampler's,
+        per token), so it draws next what the lost request would have."""
         detokenizer = (
             IncrementalDetokenizer(
                 tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
@@ -88,19 +91,43 @@ class Sequence:
             if tokenizer is not None
             else None
         )
-        seeded = params.seed is not None
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+            if not params.greedy:
+                for _ in range(params.resumed_tokens):
+                    torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
         return cls(
             request_id,
             prompt_token_ids,
             params,
             detokenizer=detokenizer,
-            generator=torch.Generator().manual_seed(params.seed) if seeded else None,
+            generator=generator,
             cache_salt=cache_salt,
         )
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_input_tokens(self) -> int:
+        """The client's prompt: the prompt less a resumed request's output so far."""
+        return len(self.prompt_token_ids) - self.params.resumed_tokens
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens, a resumed request's from before its resumption included."""
+        return self.params.resumed_tokens + len(self.output_token_ids)
+
+    @property
+    def sampled_token_ids(self) -> list[int]:
+        """The output as the penalties and min_tokens see it (a resumed request's earlier
+        output is the end of its prompt)."""
+        resumed = self.params.resumed_tokens
+        if not resumed:
+            return self.output_token_ids
+        return self.prompt_token_ids[len(self.prompt_token_ids) - resumed :] + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +175,7 @@ class Sequence:
             self.first_token_time = now
         params = self.params
         # Short of min_tokens the sampler never picks a stop token, and stop strings wait.
-        check_stop = len(self.output_token_ids) >= params.min_tokens
+        check_stop = self.num_generated >= params.min_tokens
         stop_token = stops_on_token(token, params, eos_token_ids)
         if not stop_token and self.grammar is not None:
             # The sampler took the token from those the grammar allows; a complete
@@ -160,6 +187,6 @@ class Sequence:
             or (self.grammar is not None and self.grammar.done)
         ):
             return FinishReason.STOP
-        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+        if self.num_generated >= params.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None

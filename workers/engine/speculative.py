@@ -88,7 +88,7 @@ class NgramSpeculator:
             # Room for the drafts and the token sampled after them.
             room = (
                 min(
-                    seq.params.max_tokens - len(seq.output_token_ids),
+                    seq.params.max_tokens - seq.num_generated,
                     self.max_model_len - seq.num_tokens,
                 )
                 - 1
@@ -146,7 +146,7 @@ def sample_with_drafts(
         [
             (
                 seq.prompt_token_ids,
-                seq.output_token_ids + list(before) if before else seq.output_token_ids,
+                seq.sampled_token_ids + list(before) if before else seq.sampled_token_ids,
             )
             for seq, before in rows
         ],
