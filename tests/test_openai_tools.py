@@ -96,6 +96,40 @@ def test_a_forced_choice_constrains_the_output_to_valid_calls(compiler):
     assert not _accepts(compiler, spec, call_text("add", {}) + "\n" + call_text("add", {}))
 
 
+def test_a_tools_own_definitions_and_references_hold_inside_the_calls_schema(compiler):
+    # What pydantic writes for nested models, and a recursive schema.
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    ship = {
+        "type": "function",
+        "function": {
+            "name": "ship",
+            "parameters": {
+                "$defs": {"Address": address},
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Address"}},
+                "required": ["to"],
+            },
+        },
+    }
+    tree = {
+        "type": "function",
+        "function": {
+            "name": "tree",
+            "parameters": {
+                "type": "object",
+                "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+                "required": ["kids"],
+            },
+        },
+    }
+    body = _chat(tools=[ship, tree], tool_choice="required")
+    spec = parse(ChatCompletionRequest, body).sampling_params(room=100).structured
+    assert _accepts(compiler, spec, call_text("ship", {"to": {"city": "Oslo"}}))
+    assert not _accepts(compiler, spec, call_text("ship", {"to": {"town": "Oslo"}}))
+    assert _accepts(compiler, spec, call_text("tree", {"kids": [{"kids": []}]}))
+    assert not _accepts(compiler, spec, call_text("tree", {"kids": [{}]}))
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [

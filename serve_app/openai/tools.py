@@ -124,21 +124,21 @@ def call_grammar(tools: list[dict[str, Any]], choice: ToolChoice) -> StructuredO
     one of the tools (the named one, if any) with arguments valid under its schema."""
     assert choice.forced
     offered = [t["function"] for t in tools if choice.name in (None, t["function"]["name"])]
-    call_schema = {
-        "anyOf": [
+    definitions: dict[str, Any] = {}
+    options = []
+    for i, f in enumerate(offered):
+        parameters = _rooted(f.get("parameters", {"type": "object"}), f"f{i}_", definitions)
+        options.append(
             {
                 "type": "object",
-                "properties": {
-                    "name": {"const": f["name"]},
-                    "arguments": f.get("parameters", {"type": "object"}),
-                },
+                "properties": {"name": {"const": f["name"]}, "arguments": parameters},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for f in offered
-        ],
-        "x-guidance": _JSON_STYLE,
-    }
+        )
+    call_schema = {"anyOf": options, "x-guidance": _JSON_STYLE}
+    if definitions:
+        call_schema["$defs"] = definitions
     calls = 'call ("\\n" call)*' if choice.parallel else "call"
     lark = (
         f"start: {calls}\n"
@@ -146,3 +146,50 @@ def call_grammar(tools: list[dict[str, Any]], choice: ToolChoice) -> StructuredO
         f"arguments: %json {json.dumps(call_schema)}\n"
     )
     return StructuredOutput("grammar", lark, param="tools")
+
+
+def _rooted(schema: Any, prefix: str, definitions: dict[str, Any]) -> Any:
+    """A function's parameter schema made to stand inside the calls' schema: its own
+    definitions (`$defs`, `definitions`) moved to the calls' `$defs` under `prefix`, and
+    its references, to them or to its root, pointed there."""
+    if not isinstance(schema, dict):
+        return schema
+    root = f"{prefix}root"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key in ("$defs", "definitions") and node is schema:
+                continue
+            if key == "$ref" and isinstance(value, str):
+                value = _reference(value, prefix, root)
+            out[key] = rewrite(value)
+        return out
+
+    for section in ("$defs", "definitions"):
+        for name, sub in (schema.get(section) or {}).items():
+            definitions[f"{prefix}{name}"] = rewrite(sub)
+    rewritten = rewrite(schema)
+    if _refers_to_root(schema):
+        definitions[root] = rewritten
+        return {"$ref": f"#/$defs/{root}"}
+    return rewritten
+
+
+def _reference(ref: str, prefix: str, root: str) -> str:
+    for section in ("#/$defs/", "#/definitions/"):
+        if ref.startswith(section):
+            return f"#/$defs/{prefix}{ref[len(section) :]}"
+    return f"#/$defs/{root}" if ref == "#" else ref
+
+
+def _refers_to_root(node: Any) -> bool:
+    if isinstance(node, dict):
+        return node.get("$ref") == "#" or any(_refers_to_root(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_refers_to_root(v) for v in node)
+    return False
