@@ -37,6 +37,12 @@ from workers.model import ModelConfig, Tokenizer, eos_token_ids
 MAX_MESSAGES = 2048
 # What the chat template adds per message (role markers), for the size of the work.
 _TEMPLATE_CHARS_PER_MESSAGE = 16
+# A prompt to generate from whose head of this many characters per context token
+# already fills the context is refused on that head alone (natural text runs 3-5
+# characters per token, so only prompts far past the context are probed).
+HEAD_CHARS_PER_TOKEN = 8
+# How far back from the head's end a whitespace character to cut at is looked for.
+_HEAD_CUT_SEARCH = 4096
 
 
 @dataclass(frozen=True)
@@ -139,8 +145,10 @@ class ModelFrontend:
                 code=CONTEXT_LENGTH_EXCEEDED,
             )
 
-    def tokenize(self, prompt: PromptInput) -> list[int]:
-        """The prompt's token ids (check_size first, for a prompt that may be huge)."""
+    def tokenize(self, prompt: PromptInput, to_generate: bool = False) -> list[int]:
+        """The prompt's token ids (check_size first, for a prompt that may be huge). One
+        `to_generate` from is refused as soon as its start alone is past the context:
+        tokenizing the rest would cost the router seconds for nothing (`_check_head`)."""
         if prompt.token_ids is not None:
             return list(prompt.token_ids)  # checked with the rest in build_request
         if prompt.messages is not None:
@@ -162,13 +170,45 @@ class ModelFrontend:
             for i, (_, content, *_) in enumerate(prompt.messages):
                 check_text(content, f"messages.{i}.content")
             try:
-                return self.tokenizer.encode_chat(prompt.chat(), list(prompt.tools) or None)
+                text = self.tokenizer.apply_chat_template(
+                    prompt.chat(), tools=list(prompt.tools) or None
+                )
             except jinja2.TemplateError as e:  # e.g. the template's raise_exception()
                 raise InvalidRequestError(
                     f"messages: the model's chat template refused them: {e}", param="messages"
                 ) from e
-        text = check_text(prompt.text, "prompt")
-        return self.tokenizer.encode(text, add_special_tokens=prompt.add_special_tokens)
+            # The template writes any BOS itself, so the tokenizer must not add another.
+            special, field = False, "messages"
+        else:
+            text = check_text(prompt.text, "prompt")
+            special, field = prompt.add_special_tokens, "prompt"
+        if to_generate:
+            self._check_head(text, special, field)
+        return self.tokenizer.encode(text, add_special_tokens=special)
+
+    def _check_head(self, text: str, special: bool, field: str) -> None:
+        """Refuses a text whose first HEAD_CHARS_PER_TOKEN x max_model_len characters
+        already hold the context's worth of tokens. The head is cut before a whitespace
+        character, where pre-tokenizers split, so its tokens are the whole text's first
+        ones: a long prompt costs one short tokenization before its 400."""
+        limit = HEAD_CHARS_PER_TOKEN * self.max_model_len
+        if len(text) <= limit:
+            return
+        head = text[:limit]
+        cut = max(
+            head.rfind(" ", limit - _HEAD_CUT_SEARCH), head.rfind("\n", limit - _HEAD_CUT_SEARCH)
+        )
+        if cut <= 0:
+            return  # no boundary to cut at: the whole text is tokenized, as always
+        num_tokens = len(self.tokenizer.encode(head[:cut], add_special_tokens=special))
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"{field}: its first {cut} characters alone are {num_tokens} tokens; this "
+                f"model's maximum context length is {self.max_model_len} tokens, the prompt "
+                "and at least one generated token; shorten the prompt",
+                param=field,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
 
     def detokenize(self, ids: list[int]) -> str:
         """Token ids' text, special tokens included; ids must exist in the vocabulary."""

@@ -276,8 +276,8 @@ class Router(HealthService):
         if to_generate:
             self.frontend.check_size(prompt)
         if prompt.num_chars() > INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(self.frontend.tokenize, prompt)
-        return self.frontend.tokenize(prompt)
+            return await asyncio.to_thread(self.frontend.tokenize, prompt, to_generate)
+        return self.frontend.tokenize(prompt, to_generate)
 
     def _refused(self, api: str, exc: BaseException) -> None:
         """Counts a request that failed before reaching a pool."""

@@ -160,3 +160,30 @@ def test_a_chat_template_that_refuses_the_messages_is_the_clients_error(tmp_path
     with pytest.raises(InvalidRequestError, match="at least one message") as e:
         frontend.tokenize(PromptInput(messages=()))
     assert e.value.param == "messages"
+
+
+def test_a_prompt_whose_head_fills_the_context_is_refused_on_the_head_alone(model_dir):
+    frontend = ModelFrontend(model_dir, "tiny-id", block_size=4, max_model_len=256)
+    encoded: list[int] = []
+    encode = frontend.tokenizer.encode
+
+    def counting(text, add_special_tokens=True):
+        encoded.append(len(text))
+        return encode(text, add_special_tokens=add_special_tokens)
+
+    frontend.tokenizer.encode = counting  # the real tokenizer, its inputs' sizes noted
+    words = "word " * 40_000  # 200k characters, one token each on the byte tokenizer
+    for prompt, field in [
+        (PromptInput(text=words), "prompt"),
+        (PromptInput(messages=(("user", words),)), "messages"),
+    ]:
+        encoded.clear()
+        with pytest.raises(InvalidRequestError, match="first .* characters alone") as err:
+            frontend.tokenize(prompt, to_generate=True)
+        assert err.value.param == field and err.value.code == "context_length_exceeded"
+        assert encoded and max(encoded) <= 8 * 256  # the head only
+    # Counting tokens (Tokenize), the whole text is tokenized; so is a short prompt.
+    assert len(frontend.tokenize(PromptInput(text=words))) == len(words)
+    assert len(frontend.tokenize(PromptInput(text="word " * 40), to_generate=True)) == 200
+    # Without whitespace to cut the head at, the whole text is tokenized, as before.
+    assert len(frontend.tokenize(PromptInput(text="x" * 3000), to_generate=True)) == 3000
