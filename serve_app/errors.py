@@ -51,7 +51,10 @@ def public_error(exc: BaseException) -> tuple[str, str]:
     if isinstance(cause, (EngineOverloadedError, BackPressureError)):
         return "overloaded", f"the service is at capacity; retry later ({_line(cause)})"
     if unavailable(cause):
-        return "unavailable", f"no healthy replica could serve the request ({_line(cause)})"
+        # Ray's and Serve's texts (and an engine's failure) name actors, replicas, nodes
+        # and internals: logged here, not sent.
+        logger.info("a replica could not serve a request: %s", _line(cause))
+        return "unavailable", "no healthy replica could serve the request; retry it"
     if isinstance(cause, InvalidRequestError):
         return "invalid", _line(cause)
     if isinstance(cause, (asyncio.CancelledError, TaskCancelledError)):

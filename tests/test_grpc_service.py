@@ -215,5 +215,7 @@ def test_errors_map_to_status_codes_without_tracebacks(exc, code):
         got, message = status_for(raised)
         assert got == code
         assert "Traceback" not in message and "\n" not in message
+        if code is grpc.StatusCode.UNAVAILABLE:  # no actor, replica or node names
+            assert message == "no healthy replica could serve the request; retry it"
     if isinstance(exc, InvalidRequestError):
         assert status_for(_wrapped(exc))[1] == str(exc)
