@@ -55,6 +55,7 @@ from serve_app.openai.responses_api import ResponsesBuilder, ResponsesRequest, r
 from serve_app.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from serve_app.protocol import EngineRequest
 from serve_app.routing.registry_lookup import RegistryLookup
+from serve_app.serve_config import DEPLOYMENT_NAMES
 from serve_app.streaming.output_demux import OutputDemux
 from serve_app.streaming.stream_merge import merge_streams
 from serve_app.streaming.text_stream import TextStream
@@ -83,6 +84,8 @@ REGISTRY_WAIT_S = 0.25
 # A migrated request waits this long before its first new attempt, twice as long before
 # each next one: Serve needs a moment to see a replica gone and route around it.
 MIGRATION_BACKOFF_S = 0.25
+# How long the router's view of each pool's running replicas serves health checks.
+HEALTH_CACHE_S = 1.0
 # No generated docs: every path but /health needs the API key where one is set, and
 # the API is OpenAI's, documented there.
 http_app = FastAPI(
@@ -158,6 +161,8 @@ class Router(HealthService):
         self.pool = pool.options(stream=True, _by_reference=config.output_channel == "actor_call")
         self.metrics = RouterMetrics(app_name, self.served_model_name)
         self.max_migrations = config.router.max_migrations
+        self._counts: dict[str, int] = {}
+        self._counts_at = -HEALTH_CACHE_S
         self.demux = OutputDemux(self.pool.subscribe.remote)
 
     def __del__(self) -> None:
@@ -352,8 +357,32 @@ class Router(HealthService):
     # -- OpenAI-compatible HTTP -----------------------------------------------------------
 
     @http_app.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self):
+        """200 {"status": "ok"} while the pools serve; "degraded" while the prefill pool
+        has no running replica (decode prefills itself); 503 "unavailable" while the pool
+        that streams outputs has none. Each pool's running replicas are in "pools"."""
+        counts = await self._pool_counts()
+        if not await self._serving():
+            return JSONResponse({"status": "unavailable", "pools": counts}, 503)
+        degraded = counts.get("prefill") == 0
+        return {"status": "degraded" if degraded else "ok", "pools": counts}
+
+    async def _pool_counts(self) -> dict[str, int]:
+        """Running replicas per pool, as Serve's controller last said (asked at most once a
+        second: health probes come often)."""
+        now = time.monotonic()
+        if now - self._counts_at > HEALTH_CACHE_S:
+            by_deployment = await asyncio.to_thread(_replica_counts)
+            self._counts = {
+                role: by_deployment.get(DEPLOYMENT_NAMES[role], 0) for role in self.config.pools()
+            }
+            self._counts_at = now
+        return self._counts
+
+    async def _serving(self) -> bool:
+        counts = await self._pool_counts()
+        streaming = "aggregated" if "aggregated" in counts else "decode"
+        return counts.get(streaming, 0) > 0
 
     @http_app.get("/version")
     async def version(self) -> dict:

@@ -19,17 +19,23 @@ NOT_UTF8 = b"\x0a\x02\xff\xfe"  # HealthCheckRequest.service (field 1) holding i
 
 
 class _Router(HealthService):
+    def __init__(self, serving: bool = True):
+        self.serving = serving  # whether the pool that streams outputs has a replica
+
     def _authorize(self, header: str | None) -> None:
         if header != "Bearer key":
             raise Unauthenticated("invalid API key")
 
+    async def _serving(self) -> bool:
+        return self.serving
 
-def _with_server(check) -> None:
+
+def _with_server(check, router: _Router | None = None) -> None:
     """Runs `check(channel)` against a server answering with `_Router`'s methods."""
 
     async def run() -> None:
         server = grpc.aio.server()
-        add_health_servicer_to_server(_Router(), server)
+        add_health_servicer_to_server(router or _Router(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -53,6 +59,20 @@ def test_check_serves_the_overall_status_and_baton_and_refuses_other_services():
         assert "'nope.Svc'" in err.value.details() and "baton.v1.Baton" in err.value.details()
 
     _with_server(check)
+
+
+def test_check_and_list_say_not_serving_while_the_streaming_pool_has_no_replica():
+    async def check(channel):
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "baton.v1.Baton"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        listed = await health.List(health_pb2.HealthListRequest(), timeout=5)
+        assert {s.status for s in listed.statuses.values()} == {
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        }
+
+    _with_server(check, _Router(serving=False))
 
 
 def test_list_names_every_service_the_router_answers_for():

@@ -10,6 +10,7 @@ import signal
 import grpc
 import pytest
 import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 from service_helpers import KV, wait_for
 
@@ -23,6 +24,8 @@ from workers.engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow
 
 APP = "dying"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 MAX_NEW = 96
 
 
@@ -85,6 +88,14 @@ def test_streams_on_a_dying_replica_migrate_to_its_replacement_and_lose_nothing(
                 and a["Name"].startswith(f"SERVE_REPLICA::{APP}#EngineServer")
             ]
             os.kill(pid, signal.SIGKILL)
+            # While the pool has no replica, health checks say so (for load balancers).
+            health = health_pb2_grpc.HealthStub(client.channel)
+
+            def status() -> int:
+                check = health_pb2.HealthCheckRequest(service="baton.v1.Baton")
+                return health.Check(check, metadata=client.metadata, timeout=10).status
+
+            wait_for(lambda: status() == NOT_SERVING, "NOT_SERVING", timeout_s=30, poll_s=0.2)
 
             for first, stream, want in zip(firsts, streams, expected, strict=True):
                 rest = list(stream)
@@ -93,6 +104,7 @@ def test_streams_on_a_dying_replica_migrate_to_its_replacement_and_lose_nothing(
                 assert rest[-1].usage.completion_tokens == MAX_NEW
             # Serve started a replacement; the router subscribed to it, and no block is held.
             wait_for(_subscribed, "a new subscription", poll_s=0.2)
+            wait_for(lambda: status() == SERVING, "SERVING again", timeout_s=30, poll_s=0.2)
             wait_for(
                 lambda: _engine_stats()["engine"]["num_running"] == 0, "the replica to go idle"
             )

@@ -122,7 +122,7 @@ def test_plain_http_without_a_key_is_a_401_asking_for_bearer(keyed):
     assert caught.value.headers["WWW-Authenticate"] == "Bearer"
     assert "missing API key" in json.loads(caught.value.read())["error"]["message"]
     with urllib.request.urlopen(f"{keyed['http']}/health", timeout=30) as health:
-        assert json.loads(health.read()) == {"status": "ok"}
+        assert json.loads(health.read())["status"] == "ok"
 
 
 def test_a_rewritten_key_file_rotates_the_keys_live(keyed):

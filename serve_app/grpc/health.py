@@ -1,9 +1,10 @@
 """`grpc.health.v1.Health` as the router answers it (Serve's gRPC ingress calls the
 router's method of each RPC's name).
 
-The router serves `baton.v1.Baton` and the overall status (""), and both are SERVING
-for as long as the replica lives: Serve stops routing to a router replica it has taken
-down, so there is no NOT_SERVING phase to report.
+The router serves `baton.v1.Baton` and the overall status (""). Both are SERVING while
+the pool that streams outputs (decode, or aggregated) has a running replica, and
+NOT_SERVING while it has none, so that a load balancer can act (`_serving`, from Serve's
+controller). A prefill pool with none leaves them SERVING: decode prefills itself then.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from serve_app.grpc.service import set_status
 from serve_app.grpc.servicer import SERVICE, MalformedRequest, decoded
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICES = ("", SERVICE.full_name)
 
 
@@ -28,6 +30,13 @@ class HealthService:
 
     def _authorize(self, header: str | None) -> None:
         raise NotImplementedError
+
+    async def _serving(self) -> bool:
+        """Whether the pool that streams outputs has a running replica."""
+        raise NotImplementedError
+
+    async def _status(self) -> int:
+        return SERVING if await self._serving() else NOT_SERVING
 
     async def Check(
         self,
@@ -44,7 +53,7 @@ class HealthService:
             grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
             grpc_context.set_details(f"unknown service {service!r}; known: {list(SERVICES)}")
             return health_pb2.HealthCheckResponse()
-        return health_pb2.HealthCheckResponse(status=SERVING)
+        return health_pb2.HealthCheckResponse(status=await self._status())
 
     async def List(
         self,
@@ -56,8 +65,9 @@ class HealthService:
         except Exception as e:
             set_status(grpc_context, e)
             return health_pb2.HealthListResponse()
+        status = await self._status()
         return health_pb2.HealthListResponse(
-            statuses={name: health_pb2.HealthCheckResponse(status=SERVING) for name in SERVICES}
+            statuses={name: health_pb2.HealthCheckResponse(status=status) for name in SERVICES}
         )
 
     async def Watch(
@@ -65,7 +75,7 @@ class HealthService:
         request: health_pb2.HealthCheckRequest | MalformedRequest,
         grpc_context: RayServegRPCContext,
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        # Serving for as long as this replica lives; the stream ends when the client leaves.
+        # The status when the watch began; the stream ends when the client leaves.
         # Unlike Check (a probe's), it holds one of the router's request slots for as long
         # as it stays open, so a service with keys asks for one.
         try:
@@ -76,7 +86,7 @@ class HealthService:
             raise
         known = service in SERVICES
         yield health_pb2.HealthCheckResponse(
-            status=SERVING if known else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            status=await self._status() if known else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
         )
         while True:
             await asyncio.sleep(3600)
