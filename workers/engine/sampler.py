@@ -112,6 +112,13 @@ def sample_from_probs(
     return greedy(probs / noise)
 
 
+def skip_draws(generator: torch.Generator, num_rows: int, vocab_size: int) -> None:
+    """Advances `generator` as `num_rows` sampled rows of `vocab_size` advance it (one
+    exponential per token of a row, as `sample_from_probs` draws them)."""
+    for _ in range(num_rows):
+        torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
+
+
 def top_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, counts: list[int | None]
 ) -> list[TokenLogprob | None]:

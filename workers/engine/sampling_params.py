@@ -200,7 +200,9 @@ class SamplingParams:
                 f"got {self.min_tokens!r}",
                 param="min_tokens",
             )
-        if not (isinstance(self.resumed_tokens, int) and 0 <= self.resumed_tokens < self.max_tokens):
+        if not (
+            isinstance(self.resumed_tokens, int) and 0 <= self.resumed_tokens < self.max_tokens
+        ):
             raise InvalidRequestError(
                 f"resumed_tokens must be an integer in [0, max_tokens={self.max_tokens}), "
                 f"got {self.resumed_tokens!r}",

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from workers.engine.block_hash import BlockHash
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.grammar_matcher import GrammarMatcher
+from workers.engine.sampler import skip_draws
 from workers.engine.sampling_params import SamplingParams, TokenLogprob, stops_on_token
 
 
@@ -95,8 +96,7 @@ class Sequence:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
             if not params.greedy:
-                for _ in range(params.resumed_tokens):
-                    torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
+                skip_draws(generator, params.resumed_tokens, vocab_size)
         return cls(
             request_id,
             prompt_token_ids,

@@ -25,7 +25,7 @@ from collections.abc import Sequence as Tokens
 import torch
 
 from workers.engine.config import SpeculativeConfig
-from workers.engine.sampler import sample
+from workers.engine.sampler import sample, skip_draws
 from workers.engine.sampling_params import TokenLogprob
 from workers.engine.sequence import Sequence
 
@@ -160,9 +160,6 @@ def sample_with_drafts(
         kept = next((j + 1 for j, d in enumerate(drafts) if mine[j][0] != d), len(mine))
         if id(seq) in seeded and kept < len(mine):
             seq.generator.set_state(seeded[id(seq)])
-            for _ in range(kept):
-                torch.empty(logits.shape[1], dtype=torch.float32).exponential_(
-                    generator=seq.generator
-                )
+            skip_draws(seq.generator, kept, logits.shape[1])
         picks.append(mine[:kept])
     return picks
