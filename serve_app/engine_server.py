@@ -32,8 +32,10 @@ from serve_app.config import AppConfig
 from serve_app.gpu_telemetry import read_gpus, replica_gpus
 from serve_app.handoff.decode_handoff import DecodeHandoff, HandoffStats
 from serve_app.metrics import ReplicaMetrics
+from serve_app.pool_watch import PoolWatch
 from serve_app.protocol import EngineRequest, PrefillResult, StreamStart, Subscription
 from serve_app.routing.prefix_registry import HEARTBEAT_S, get_or_create_registry
+from serve_app.serve_config import DEPLOYMENT_NAMES
 from serve_app.status_board import get_or_create_board
 from serve_app.streaming.output_channels import OutputChannels
 from workers.engine import (
@@ -111,6 +113,7 @@ class EngineServer:
             # An actor call whatever Serve's default channel (RAY_SERVE_USE_GRPC_BY_DEFAULT):
             # its result carries ObjectRefs to the exported KV, which must stay references.
             prefill_pool.options(_by_reference=True),
+            PoolWatch(DEPLOYMENT_NAMES["prefill"]),
             self.metrics,
             block_size=config.block_size,
             block_bytes=block_bytes,
@@ -222,6 +225,8 @@ class EngineServer:
             self.gpus = read_gpus(self._visible_gpus)
             self.metrics.gpus(self.gpus)
         self.metrics.engine(s)
+        if self.decode is not None:
+            self.decode.check_prefill_pool()  # degraded mode shows while no request comes
         self._replace_lost_actors()
         self._last_post = self.board.post.remote(self.replica_id, self.stats()).future()
         return {

@@ -61,6 +61,8 @@ SERIES = {
     "baton_kv_handoff_seconds": "histogram",
     "baton_handoff_recomputed_prompt_tokens_total": "counter",
     "baton_local_prefills_total": "counter",
+    "baton_degraded_prefills_total": "counter",
+    "baton_degraded_mode": "gauge",
     "baton_request_migrations_total": "counter",
     "baton_gpu_memory_used_bytes": "gauge",
     "baton_gpu_memory_total_bytes": "gauge",
@@ -248,7 +250,20 @@ class ReplicaMetrics:
         )
         self.local_prefills = Counter(
             "baton_local_prefills_total",
-            "Prompts a decode replica prefilled itself (selective disaggregation).",
+            "Prompts a decode replica prefilled itself (selective disaggregation or "
+            "degraded mode).",
+            keys,
+        )
+        self.degraded_prefills = Counter(
+            "baton_degraded_prefills_total",
+            "Prompts a decode replica prefilled itself because the prefill pool had no "
+            "running replica.",
+            keys,
+        )
+        self.prefill_pool_down = Gauge(
+            "baton_degraded_mode",
+            "1 while this decode replica sees no running prefill replica and prefills new "
+            "requests itself (degraded mode), else 0.",
             keys,
         )
         self.gpu_memory_used = Gauge(
@@ -294,8 +309,13 @@ class ReplicaMetrics:
     def recompute(self, num_tokens: int) -> None:
         self.recomputed.inc(num_tokens, self._tags)
 
-    def local_prefill(self) -> None:
+    def local_prefill(self, degraded: bool = False) -> None:
         self.local_prefills.inc(1, self._tags)
+        if degraded:
+            self.degraded_prefills.inc(1, self._tags)
+
+    def degraded(self, down: bool) -> None:
+        self.prefill_pool_down.set(float(down), self._tags)
 
     def gpus(self, report: GpuReport) -> None:
         for d in report.devices:

@@ -37,12 +37,17 @@ from workers.model import ModelConfig, Tokenizer, eos_token_ids
 MAX_MESSAGES = 2048
 # What the chat template adds per message (role markers), for the size of the work.
 _TEMPLATE_CHARS_PER_MESSAGE = 16
-# A prompt to generate from whose head of this many characters per context token
-# already fills the context is refused on that head alone (natural text runs 3-5
-# characters per token, so only prompts far past the context are probed).
-HEAD_CHARS_PER_TOKEN = 8
-# How far back from the head's end a whitespace character to cut at is looked for.
+# A text longer than HEAD_PROBES[-1] characters per context token is tokenized only once
+# a head of it, of each probe's characters per context token in turn, falls short of the
+# context: a dense text (digits, CJK, symbols: 1-3 characters per token) is refused on the
+# short head, natural text (3-5) on the long one, and the whole text only ever when its
+# long head is so compressible that the rest might fit.
+HEAD_PROBES = (1, 8)
+# How far back from a head's end a whitespace character to cut at is looked for.
 _HEAD_CUT_SEARCH = 4096
+# A head with no whitespace near its end is cut inside a word, whose last tokens may then
+# differ from the whole text's: it is refused only past the limit by this many tokens.
+_CUT_WORD_SLACK = 16
 
 
 @dataclass(frozen=True)
@@ -146,9 +151,10 @@ class ModelFrontend:
             )
 
     def tokenize(self, prompt: PromptInput, to_generate: bool = False) -> list[int]:
-        """The prompt's token ids (check_size first, for a prompt that may be huge). One
-        `to_generate` from is refused as soon as its start alone is past the context:
-        tokenizing the rest would cost the router seconds for nothing (`_check_head`)."""
+        """The prompt's token ids (check_size first, for a prompt that may be huge). A text
+        is refused as soon as its start alone is past what it may hold: the context less
+        one generated token `to_generate` from, else (Tokenize, counting) the context.
+        Tokenizing the rest would cost the router seconds for nothing (`_check_head`)."""
         if prompt.token_ids is not None:
             return list(prompt.token_ids)  # checked with the rest in build_request
         if prompt.messages is not None:
@@ -182,33 +188,45 @@ class ModelFrontend:
         else:
             text = check_text(prompt.text, "prompt")
             special, field = prompt.add_special_tokens, "prompt"
-        if to_generate:
-            self._check_head(text, special, field)
-        return self.tokenizer.encode(text, add_special_tokens=special)
+        most = self.max_model_len - 1 if to_generate else self.max_model_len
+        self._check_head(text, special, field, most)
+        ids = self.tokenizer.encode(text, add_special_tokens=special)
+        if not to_generate and len(ids) > most:
+            raise self._too_long(field, f"the text is {len(ids)} tokens", to_generate)
+        return ids
 
-    def _check_head(self, text: str, special: bool, field: str) -> None:
-        """Refuses a text whose first HEAD_CHARS_PER_TOKEN x max_model_len characters
-        already hold the context's worth of tokens. The head is cut before a whitespace
-        character, where pre-tokenizers split, so its tokens are the whole text's first
-        ones: a long prompt costs one short tokenization before its 400."""
-        limit = HEAD_CHARS_PER_TOKEN * self.max_model_len
-        if len(text) <= limit:
-            return
-        head = text[:limit]
-        cut = max(
-            head.rfind(" ", limit - _HEAD_CUT_SEARCH), head.rfind("\n", limit - _HEAD_CUT_SEARCH)
-        )
-        if cut <= 0:
-            return  # no boundary to cut at: the whole text is tokenized, as always
-        num_tokens = len(self.tokenizer.encode(head[:cut], add_special_tokens=special))
-        if num_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"{field}: its first {cut} characters alone are {num_tokens} tokens; this "
-                f"model's maximum context length is {self.max_model_len} tokens, the prompt "
-                "and at least one generated token; shorten the prompt",
-                param=field,
-                code=CONTEXT_LENGTH_EXCEEDED,
+    def _check_head(self, text: str, special: bool, field: str, most: int) -> None:
+        """Refuses a long text (past HEAD_PROBES[-1] characters per context token) as
+        soon as a head of it holds more than `most` tokens. A head is cut before a
+        whitespace character, where pre-tokenizers split, so its tokens are the whole
+        text's first ones; without one, inside a word (`_CUT_WORD_SLACK`)."""
+        if len(text) <= HEAD_PROBES[-1] * self.max_model_len:
+            return  # short enough to tokenize whole at little cost
+        to_generate = most < self.max_model_len
+        for chars_per_token in HEAD_PROBES:
+            limit = chars_per_token * self.max_model_len
+            start = max(limit - _HEAD_CUT_SEARCH, 0)
+            cut = max(text.rfind(" ", start, limit), text.rfind("\n", start, limit))
+            head, slack = (text[:cut], 0) if cut > 0 else (text[:limit], _CUT_WORD_SLACK)
+            num_tokens = len(self.tokenizer.encode(head, add_special_tokens=special))
+            if num_tokens > most + slack:
+                found = f"its first {len(head)} characters alone are {num_tokens} tokens"
+                raise self._too_long(field, found, to_generate)
+
+    def _too_long(self, field: str, found: str, to_generate: bool) -> InvalidRequestError:
+        if to_generate:
+            limit = (
+                f"this model's maximum context length is {self.max_model_len} tokens, the "
+                "prompt and at least one generated token; shorten the prompt"
             )
+        else:
+            limit = (
+                f"Tokenize counts at most this model's context length of {self.max_model_len}"
+                " tokens; count a longer text in parts"
+            )
+        return InvalidRequestError(
+            f"{field}: {found}; {limit}", param=field, code=CONTEXT_LENGTH_EXCEEDED
+        )
 
     def detokenize(self, ids: list[int]) -> str:
         """Token ids' text, special tokens included; ids must exist in the vocabulary."""

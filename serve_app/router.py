@@ -53,6 +53,7 @@ from serve_app.openai.responses import (
 )
 from serve_app.openai.responses_api import ResponsesBuilder, ResponsesRequest, renamed
 from serve_app.openai.tokenize import DetokenizeRequest, TokenizeRequest
+from serve_app.pool_watch import REFRESH_S, running_replicas
 from serve_app.protocol import EngineRequest
 from serve_app.routing.registry_lookup import RegistryLookup
 from serve_app.serve_config import DEPLOYMENT_NAMES
@@ -84,8 +85,6 @@ REGISTRY_WAIT_S = 0.25
 # A migrated request waits this long before its first new attempt, twice as long before
 # each next one: Serve needs a moment to see a replica gone and route around it.
 MIGRATION_BACKOFF_S = 0.25
-# How long the router's view of each pool's running replicas serves health checks.
-HEALTH_CACHE_S = 1.0
 # No generated docs: every path but /health needs the API key where one is set, and
 # the API is OpenAI's, documented there.
 http_app = FastAPI(
@@ -117,15 +116,6 @@ def _tool_names(req: openai_api.OpenAIRequest) -> list[str] | None:
 
 def _grpc_authorization(grpc_context: RayServegRPCContext) -> str | None:
     return authorization(grpc_context.invocation_metadata())
-
-
-def _replica_counts() -> dict[str, int]:
-    """Running replicas per deployment of this application (from Serve's controller)."""
-    app = serve.get_replica_context().app_name
-    status = serve.status().applications.get(app)
-    if status is None:
-        return {}
-    return {name: d.replica_states.get("RUNNING", 0) for name, d in status.deployments.items()}
 
 
 # Helpers sit above the class: Serve pickles the ingress class by value when it is
@@ -162,7 +152,7 @@ class Router(HealthService):
         self.metrics = RouterMetrics(app_name, self.served_model_name)
         self.max_migrations = config.router.max_migrations
         self._counts: dict[str, int] = {}
-        self._counts_at = -HEALTH_CACHE_S
+        self._counts_at = -REFRESH_S
         self.demux = OutputDemux(self.pool.subscribe.remote)
 
     def __del__(self) -> None:
@@ -276,10 +266,9 @@ class Router(HealthService):
         return replace(request, router_id=self.demux.router_id)
 
     async def _tokenize(self, prompt: PromptInput, to_generate: bool = True) -> list[int]:
-        """The prompt's tokens; one `to_generate` from is refused first if it cannot fit
-        the context (Tokenize counts a text of any size the message limit lets through)."""
-        if to_generate:
-            self.frontend.check_size(prompt)
+        """The prompt's tokens; refused first if it cannot fit the context (Tokenize, not
+        `to_generate`, counts up to the context's length)."""
+        self.frontend.check_size(prompt)
         if prompt.num_chars() > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(self.frontend.tokenize, prompt, to_generate)
         return self.frontend.tokenize(prompt, to_generate)
@@ -348,7 +337,7 @@ class Router(HealthService):
     ) -> pb.ModelInfo:
         try:
             self._authorize(_grpc_authorization(grpc_context))
-            counts = await asyncio.to_thread(_replica_counts)  # asks Serve's controller
+            counts = await asyncio.to_thread(running_replicas)  # asks Serve's controller
         except Exception as e:
             set_status(grpc_context, e)
             return pb.ModelInfo()
@@ -368,11 +357,11 @@ class Router(HealthService):
         return {"status": "degraded" if degraded else "ok", "pools": counts}
 
     async def _pool_counts(self) -> dict[str, int]:
-        """Running replicas per pool, as Serve's controller last said (asked at most once a
-        second: health probes come often)."""
+        """Running replicas per pool, as Serve's controller last said (asked at most once
+        per REFRESH_S: health probes come often)."""
         now = time.monotonic()
-        if now - self._counts_at > HEALTH_CACHE_S:
-            by_deployment = await asyncio.to_thread(_replica_counts)
+        if now - self._counts_at > REFRESH_S:
+            by_deployment = await asyncio.to_thread(running_replicas)
             self._counts = {
                 role: by_deployment.get(DEPLOYMENT_NAMES[role], 0) for role in self.config.pools()
             }

@@ -201,3 +201,16 @@ def test_fetch_converts_what_it_is_given_and_refuses_unknown_models_first(
     folder = Path(capsys.readouterr().out.strip())
     assert folder.parent == tmp_path / "cache" / "baton" / "models" / "gguf"
     assert (folder / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("flags", "host"), [([], "0.0.0.0"), (["--host", "127.0.0.1"], "127.0.0.1")]
+)
+def test_serve_binds_the_apis_to_the_host_asked_for(model_dir, monkeypatch, flags, host):
+    from serve_app.ops import service_ops
+
+    deployed = []
+    monkeypatch.setattr(service_ops, "connect", lambda *a, **k: None)
+    monkeypatch.setattr(service_ops, "deploy", lambda config, **kw: deployed.append(kw))
+    assert main(["serve", "--model", str(model_dir), *flags]) == 0
+    assert deployed[0]["http_host"] == host

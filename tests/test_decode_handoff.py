@@ -52,13 +52,29 @@ class _AlwaysStale(AsyncEngine):
         return stale()
 
 
-def _handoff(engine: AsyncEngine, pool, recomputed: list | None = None, **kw) -> DecodeHandoff:
+class _Watch:
+    """The prefill pool's running replicas as PoolWatch reports them, set by the test."""
+
+    def __init__(self) -> None:
+        self.running = True
+
+    def has_running(self) -> bool:
+        return self.running
+
+
+def _handoff(
+    engine: AsyncEngine, pool, recomputed: list | None = None, watch: _Watch | None = None, **kw
+) -> DecodeHandoff:
     metrics = SimpleNamespace(
         recompute=(recomputed if recomputed is not None else []).append,
         handoff=lambda num_bytes, seconds: None,
-        local_prefill=lambda: None,
+        local_prefill=lambda degraded=False: None,
+        degraded=lambda down: None,
     )
-    handoff = DecodeHandoff(engine, pool, metrics, block_size=16, block_bytes=BLOCK_BYTES, **kw)
+    watch = watch or _Watch()
+    handoff = DecodeHandoff(
+        engine, pool, watch, metrics, block_size=16, block_bytes=BLOCK_BYTES, **kw
+    )
     handoff.budget.capacity = 3 * BLOCK_BYTES  # one request's worth of handoff in flight
     return handoff
 
@@ -117,6 +133,56 @@ def test_a_failed_prefill_call_is_recomputed_on_decode_with_the_same_output(mode
     # The prompt's two full blocks were cached by the run alone: only the rest is redone.
     assert stats.num_recomputed_tokens == recomputed[0] == len(PROMPT) - 2 * 16
     assert "RayActorError" in stats.last_failure
+
+
+def test_while_the_prefill_pool_has_no_running_replica_decode_prefills_itself(model_dir):
+    async def main():
+        alone = AsyncEngine(_engine(model_dir))
+        prefill, decode = AsyncEngine(_engine(model_dir)), AsyncEngine(_engine(model_dir))
+        try:
+            want = [t for o in await _collect(alone, "alone", PROMPT) for t in o.new_token_ids]
+            pool, watch, changes = _LivePrefillPool(prefill), _Watch(), []
+            handoff = _handoff(decode, pool, watch=watch)
+            handoff.metrics.degraded = changes.append
+            watch.running = False
+            assert await _tokens(handoff.generate(_request(decode, PROMPT))) == want
+            stats = handoff.stats
+            assert not pool.transports and stats.prefill_pool_down and changes == [True]
+            assert stats.num_degraded_prefills == stats.num_local_prefills == 1
+            assert stats.local_prefill_tokens == len(PROMPT) and handoff.budget.used == 0
+            # Running again: the next prompt is handed off, degraded mode is over.
+            watch.running = True
+            request = replace(_request(decode, PROMPT[:20]), request_id="later")
+            await _tokens(handoff.generate(request))
+            assert len(pool.transports) == 1 and stats.num_handoffs == 1
+            assert not stats.prefill_pool_down
+            assert changes == [True, False] and stats.num_degraded_prefills == 1
+        finally:
+            for engine in (alone, prefill, decode):
+                await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_prefill_call_waiting_when_the_pool_goes_down_is_prefilled_here(model_dir):
+    # Serve's handle holds a call to a pool with no replica until one starts.
+    async def main():
+        engine = AsyncEngine(_engine(model_dir))
+        try:
+            want = [t for o in await _collect(engine, "alone", PROMPT) for t in o.new_token_ids]
+            pool, watch = _PrefillPool(lambda response: None), _Watch()  # never answers
+            handoff = _handoff(engine, pool, watch=watch)
+            decoding = asyncio.ensure_future(_tokens(handoff.generate(_request(engine, PROMPT))))
+            await _until(lambda: pool.calls == 1)
+            watch.running = False
+            assert await decoding == want
+            stats = handoff.stats
+            assert stats.num_degraded_prefills == 1 and stats.num_recomputed_tokens == 0
+            assert handoff.selective.num_pending_prefills == 0 and handoff.budget.used == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
 
 
 class _StoppingPrefill(AsyncEngine):

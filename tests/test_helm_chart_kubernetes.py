@@ -89,3 +89,27 @@ def test_rayservice_validates_against_the_kuberay_crd(chart, crd_validator, valu
     rayservice = _rayservice(_render(chart, values))
     errors = sorted(crd_validator.iter_errors(rayservice), key=lambda e: list(e.path))
     assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_the_network_policy_opens_the_apis_and_ray_between_the_releases_pods(chart):
+    prometheus = {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    clients = {"ipBlock": {"cidr": "10.0.0.0/8"}}
+    values = {"networkPolicy": {"enabled": True, "apiFrom": [clients], "metricsFrom": [prometheus]}}
+    (policy,) = [d for d in _render(chart, values) if d["kind"] == "NetworkPolicy"]
+    kubernetes_validate.validate(policy, KUBE_VERSION, strict=True)
+    spec = policy["spec"]
+    pods = spec["podSelector"]["matchLabels"]
+    assert pods["app.kubernetes.io/instance"] == "demo"
+    api, ray_pods, metrics = spec["ingress"]
+    assert [p["port"] for p in api["ports"]] == [8000, 9000] and api["from"] == [clients]
+    assert ray_pods == {"from": [{"podSelector": {"matchLabels": pods}}]}  # every port
+    assert [p["port"] for p in metrics["ports"]] == [8080] and metrics["from"] == [prometheus]
+    # Off by default; on with no peers named, the APIs are open to all and metrics closed.
+    assert not [d for d in _render(chart, {}) if d["kind"] == "NetworkPolicy"]
+    (open_policy,) = [
+        d
+        for d in _render(chart, {"networkPolicy": {"enabled": True}})
+        if d["kind"] == "NetworkPolicy"
+    ]
+    api, ray_pods = open_policy["spec"]["ingress"]
+    assert "from" not in api

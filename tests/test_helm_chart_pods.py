@@ -19,7 +19,10 @@ from helm_chart_helpers import (
 )
 
 from serve_app.ops.cli import _build_parser
-from serve_app.ops.service_ops import SERVE_ENV
+from serve_app.ops.service_ops import HAPROXY_LAUNCHER_ENV, IMAGE_HAPROXY_LAUNCHER, SERVE_ENV
+
+# What the chart sets on every Ray pod, as service_ops.serve_env() where Baton starts Serve.
+CHART_ENV = dict(sorted({**SERVE_ENV, HAPROXY_LAUNCHER_ENV: IMAGE_HAPROXY_LAUNCHER}.items()))
 
 
 def _pods(rayservice: dict) -> dict[str, dict]:
@@ -56,16 +59,16 @@ def test_every_ray_pod_mounts_the_volumes_and_a_memory_backed_dev_shm(chart, val
 def test_every_ray_container_gets_serves_environment_then_the_values_env(chart, values):
     # The proxies, on any serving pod, read it when Serve starts them (service_ops.SERVE_ENV).
     merged = _merged(chart, values)
-    serve_env = [{"name": name, "value": value} for name, value in SERVE_ENV.items()]
+    serve_env = [{"name": name, "value": value} for name, value in CHART_ENV.items()]
     for role, pod in _pods(_rayservice(_render(chart, values))).items():
         (container,) = pod["containers"]
         assert container["env"] == serve_env + merged["env"], role
 
 
-@pytest.mark.parametrize("name", sorted(SERVE_ENV))
+@pytest.mark.parametrize("name", sorted(CHART_ENV))
 def test_the_values_env_may_set_each_of_serves_variables_itself(chart, name):
     own = [{"name": name, "value": "0"}]
-    rest = [{"name": n, "value": v} for n, v in SERVE_ENV.items() if n != name]
+    rest = [{"name": n, "value": v} for n, v in CHART_ENV.items() if n != name]
     for role, pod in _pods(_rayservice(_render(chart, {"env": own}))).items():
         (container,) = pod["containers"]
         assert container["env"] == rest + own, role

@@ -68,3 +68,28 @@ def test_a_body_is_read_as_json_up_to_its_limit():
             yield b" " * 2**20
 
     assert f"at most {MAX_BODY_BYTES}" in client.post("/", content=chunked()).json()["refused"]
+
+
+def test_a_body_that_does_not_arrive_in_time_is_refused(monkeypatch):
+    import asyncio
+
+    from serve_app.openai import body
+
+    monkeypatch.setattr(body, "BODY_TIMEOUT_S", 0.2)
+    parts = [b'{"model": ', None]  # the rest never comes
+
+    async def receive():
+        part = parts.pop(0) if parts else None
+        if part is None:
+            await asyncio.sleep(3600)
+        return {"type": "http.request", "body": part, "more_body": True}
+
+    async def read():
+        scope = {"type": "http", "method": "POST", "headers": [], "path": "/"}
+        return await json_body(Request(scope, receive))
+
+    with pytest.raises(
+        InvalidRequestError, match=r"did not arrive within 0.2 s \(10 bytes came\)"
+    ) as e:
+        asyncio.run(read())
+    assert e.value.code == "request_timeout"

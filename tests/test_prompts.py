@@ -177,13 +177,31 @@ def test_a_prompt_whose_head_fills_the_context_is_refused_on_the_head_alone(mode
         (PromptInput(text=words), "prompt"),
         (PromptInput(messages=(("user", words),)), "messages"),
     ]:
-        encoded.clear()
-        with pytest.raises(InvalidRequestError, match="first .* characters alone") as err:
-            frontend.tokenize(prompt, to_generate=True)
-        assert err.value.param == field and err.value.code == "context_length_exceeded"
-        assert encoded and max(encoded) <= 8 * 256  # the head only
-    # Counting tokens (Tokenize), the whole text is tokenized; so is a short prompt.
-    assert len(frontend.tokenize(PromptInput(text=words))) == len(words)
+        for to_generate, limit in [(True, "maximum context length"), (False, "Tokenize counts")]:
+            encoded.clear()
+            refusal = f"first .* characters alone.*{limit}"
+            with pytest.raises(InvalidRequestError, match=refusal) as err:
+                frontend.tokenize(prompt, to_generate=to_generate)
+            assert err.value.param == field and err.value.code == "context_length_exceeded"
+            assert encoded and max(encoded) <= 8 * 256  # the heads only
+    # A dense text with no whitespace to cut at is cut inside its word, and refused too.
+    encoded.clear()
+    with pytest.raises(InvalidRequestError, match="first 2048 characters alone are 2048 tokens"):
+        frontend.tokenize(PromptInput(text="x" * 3000), to_generate=True)
+    assert encoded == [256, 2048]  # within the slack on the short head, past it on the long
     assert len(frontend.tokenize(PromptInput(text="word " * 40), to_generate=True)) == 200
-    # Without whitespace to cut the head at, the whole text is tokenized, as before.
-    assert len(frontend.tokenize(PromptInput(text="x" * 3000), to_generate=True)) == 3000
+    # Up to 8 characters per context token, the whole text is tokenized: within the limit
+    # it is counted, past it refused naming its count.
+    assert len(frontend.tokenize(PromptInput(text="x" * 255, add_special_tokens=False))) == 255
+    with pytest.raises(InvalidRequestError, match="the text is 300 tokens; Tokenize counts"):
+        frontend.tokenize(PromptInput(text="x" * 300, add_special_tokens=False))
+
+
+def test_a_compressible_long_text_is_tokenized_whole_and_counted_exactly(model_dir):
+    # Runs of a character that a vocabulary entry spells many of: heads hold few tokens,
+    # so nothing is refused on a head and the whole text's count decides.
+    frontend = ModelFrontend(model_dir, "tiny-id", block_size=4, max_model_len=256)
+    token = max(frontend.tokenizer.hf.get_vocab(), key=len)
+    run = token * (9 * 256 // len(token) + 1)
+    ids = frontend.tokenize(PromptInput(text=run, add_special_tokens=False))
+    assert ids == frontend.tokenizer.encode(run, add_special_tokens=False)

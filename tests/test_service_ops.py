@@ -146,7 +146,7 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
         service_ops.deploy(config, grpc_port=started_on.grpc_port + 1, **neighbour)
     assert "neighbour" not in serve.status().applications
     assert service_ops.deploy(config, **neighbour) == started_on
-    # The proxy Serve started runs with SERVE_ENV (it reaches the routers over gRPC).
+    # The proxy Serve started runs with serve_env() (it reaches the routers over gRPC).
     raylet = node_drain.raylets()[ray.get_runtime_context().get_node_id()]
     (proxy,) = [
         pid
@@ -154,7 +154,7 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
         if "ProxyActor" in " ".join(node_drain.cmdline(pid))
     ]
     environ = Path(f"/proc/{proxy}/environ").read_bytes().split(b"\0")
-    for name, value in service_ops.SERVE_ENV.items():
+    for name, value in service_ops.serve_env().items():
         assert f"{name}={value}".encode() in environ
 
     # The session's Ray was started by pytest, not `baton serve`: it stays, and so does

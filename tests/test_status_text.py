@@ -89,3 +89,26 @@ def test_why_an_application_or_deployment_is_not_running_is_shown_and_imports_wa
     assert lines[1].strip() == "Deploying app 'baton' failed"
     assert lines[3].strip() == "1 replica could not be placed"
     assert "waiting   3" in lines[4]  # one queued request and two imports waiting for blocks
+
+
+def test_degraded_mode_is_said_for_the_application_and_each_decode_replica_in_it():
+    decode = {
+        "role": "decode",
+        "replica_id": "d",
+        "engine": _engine(free=64),
+        "handoff": {"num_handoffs": 3, "num_local_prefills": 1, "prefill_pool_down": True},
+    }
+    report = _report(decode)
+    report["deployments"]["PrefillServer"] = {"status": "UNHEALTHY", "replicas": {"STARTING": 1}}
+    lines = status_lines(report)
+    assert lines[1].strip() == (
+        "degraded: no prefill replica is running; decode replicas prefill new requests"
+    )
+    at = next(i for i, line in enumerate(lines) if line.split()[:2] == ["decode", "d"])
+    assert lines[at + 1].strip() == (
+        "degraded mode: prefilling new requests here (no prefill replica)"
+    )
+    # Running again: neither line.
+    report["deployments"]["PrefillServer"]["replicas"] = {"RUNNING": 1}
+    decode["handoff"]["prefill_pool_down"] = False
+    assert not any("degraded" in line for line in status_lines(report))

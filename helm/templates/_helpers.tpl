@@ -352,12 +352,13 @@ resources, preStop): preStop is the shell command the container runs before it s
   {{- /* Serve's ingress settings, as serve_app.ops.service_ops.SERVE_ENV sets them where
   `baton serve` starts Serve (HAProxy in front of the routers' own servers; a Python
   proxy, where one serves, reaching them over gRPC; the gRPC message limit, 16 MiB as
-  serve_config.MAX_REQUEST_BYTES), each unless values.env names it. */}}
+  serve_config.MAX_REQUEST_BYTES; the image's baton-haproxy as HAProxy, which applies
+  Baton's ingress policy, serve_app/ingress/), each unless values.env names it. */}}
   {{- $env := .root.Values.env | default list }}
   {{- $named := dict }}
   {{- range $env }}{{- $_ := set $named .name true }}{{- end }}
   {{- $serve := list }}
-  {{- $defaults := dict "RAY_SERVE_ENABLE_HA_PROXY" "1" "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE" "16777216" "RAY_SERVE_PROXY_USE_GRPC" "1" }}
+  {{- $defaults := dict "RAY_SERVE_ENABLE_HA_PROXY" "1" "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE" "16777216" "RAY_SERVE_PROXY_USE_GRPC" "1" "RAY_SERVE_HAPROXY_BINARY_PATH" "/home/ray/anaconda3/bin/baton-haproxy" }}
   {{- range $name, $value := $defaults }}
   {{- if not (hasKey $named $name) }}
   {{- $serve = append $serve (dict "name" $name "value" $value) }}

@@ -8,7 +8,8 @@ handoff/transport_fallback.py). If the handoff fails (the prefill call fails, th
 or this replica evicted the prefix it reported on every try), it computes the prompt
 itself, counted as a recompute and logged with its cause. It
 also prefills a prompt itself by choice (selective disaggregation:
-serve_app/handoff/selective_disaggregation.py decides).
+serve_app/handoff/selective_disaggregation.py decides), and every prompt while the
+prefill pool has no running replica (degraded mode, `serve_app/pool_watch.py`).
 
 A handoff's export is prefill memory (GPU memory on a GPU) until decode pulls it, and
 with the object store it lands in this process whole: a replica asks for at most its KV
@@ -32,6 +33,7 @@ from serve_app.errors import root_cause
 from serve_app.handoff.selective_disaggregation import SelectiveDisaggregation
 from serve_app.handoff.transport_fallback import OBJECT_STORE, TransportFallback
 from serve_app.metrics import ReplicaMetrics
+from serve_app.pool_watch import REFRESH_S, PoolWatch
 from serve_app.protocol import EngineRequest, PrefillResult
 from workers.engine import (
     AsyncEngine,
@@ -64,10 +66,14 @@ class HandoffStats:
     # The prefill pool's own compute for those requests, to set the handoff against.
     prefill_seconds: float = 0.0
     num_stale_retries: int = 0
-    # Prompts this replica prefilled itself by choice (selective disaggregation), and
-    # the uncached prompt tokens it computed for them.
+    # Prompts this replica prefilled itself by choice (selective disaggregation) or for
+    # want of a prefill replica, and the uncached prompt tokens it computed for them.
     num_local_prefills: int = 0
     local_prefill_tokens: int = 0
+    # Degraded mode: whether the prefill pool had no running replica at the last request
+    # or status post, and the prompts prefilled here for that reason (of the above).
+    prefill_pool_down: bool = False
+    num_degraded_prefills: int = 0
     # Prompt tokens this replica computed itself because the prefill pool failed it.
     num_recomputed_tokens: int = 0
     # Handoffs asked for again through the object store after their direct pull failed,
@@ -89,6 +95,7 @@ class DecodeHandoff:
         self,
         engine: AsyncEngine,
         prefill_pool: DeploymentHandle,
+        prefill_watch: PoolWatch,
         metrics: ReplicaMetrics,
         *,
         block_size: int,
@@ -97,6 +104,8 @@ class DecodeHandoff:
         max_pending_prefills: int | None = None,
     ) -> None:
         self.engine, self.prefill_pool, self.metrics = engine, prefill_pool, metrics
+        self.prefill_watch = prefill_watch
+        metrics.degraded(False)
         self.block_size, self.block_bytes = block_size, block_bytes
         self.selective = SelectiveDisaggregation(local_prefill_tokens, max_pending_prefills)
         self.tp = engine.config.tensor_parallel_size
@@ -112,6 +121,12 @@ class DecodeHandoff:
             list(request.block_hashes), prompt, request.cache_salt
         )
         uncached = self._tokens_to_compute(request, have)
+        if not self.check_prefill_pool():
+            # Degraded mode: a call now would wait for a replica to start, or fail.
+            async with aclosing(self._prefill_here(request, prompt, uncached, True)) as outputs:
+                async for out in outputs:
+                    yield out
+            return
         with _Reservation(self.budget) as reserved:
             remote = not self.selective.prefills_here(uncached)
             if remote:
@@ -139,12 +154,26 @@ class DecodeHandoff:
             return len(request.prompt_token_ids)
         return len(request.prompt_token_ids) - cached_blocks * self.block_size
 
+    def check_prefill_pool(self) -> bool:
+        """Whether the prefill pool has a running replica (PoolWatch: as the controller
+        last said), noting a change in the stats, the metrics and the log."""
+        down = not self.prefill_watch.has_running()
+        if down != self.stats.prefill_pool_down:
+            self.stats.prefill_pool_down = down
+            self.metrics.degraded(down)
+            if down:
+                logger.warning("the prefill pool has no running replica: prefilling here")
+            else:
+                logger.info("the prefill pool is running again: handing prompts off")
+        return not down
+
     async def _prefill_here(
-        self, request: EngineRequest, prompt: list[int], uncached: int
+        self, request: EngineRequest, prompt: list[int], uncached: int, degraded: bool = False
     ) -> AsyncIterator[RequestOutput]:
         self.stats.num_local_prefills += 1
         self.stats.local_prefill_tokens += uncached
-        self.metrics.local_prefill()
+        self.stats.num_degraded_prefills += degraded
+        self.metrics.local_prefill(degraded)
         stream = self.engine.generate(
             request.request_id, prompt, request.params, request.cache_salt
         )
@@ -161,8 +190,14 @@ class DecodeHandoff:
         attempt, have = await self._first_output(request, prompt, have, reserved)
         if attempt.failure is not None:
             reserved.release()  # the KV is not coming
-            async for out in self._recompute(request, attempt.failure, have):
-                yield out
+            if isinstance(attempt.failure, PrefillPoolDown):
+                uncached = self._tokens_to_compute(request, have)
+                outputs = self._prefill_here(request, prompt, uncached, degraded=True)
+            else:
+                outputs = self._recompute(request, attempt.failure, have)
+            async with aclosing(outputs):
+                async for out in outputs:
+                    yield out
         elif attempt.rest is None:  # the first token ended the request: nothing to import
             yield attempt.first
         else:
@@ -250,9 +285,18 @@ class DecodeHandoff:
         """The prefill pool's answer, or why the call failed; raised instead if the request
         is over or at fault."""
         response = self.prefill_pool.prefill.remote(request, have, self.tp, transport)
+        answer = asyncio.ensure_future(self.selective.pending(response))
         try:
-            return await self.selective.pending(response)
+            # A call made as the pool's last replica died waits in Serve's handle for a
+            # new one: given up once the pool is seen to have none (degraded mode).
+            while not (await asyncio.wait({answer}, timeout=REFRESH_S))[0]:
+                if not self.check_prefill_pool():
+                    answer.cancel()
+                    response.cancel()
+                    return PrefillPoolDown("the prefill pool has no running replica")
+            return answer.result()
         except asyncio.CancelledError:
+            answer.cancel()
             response.cancel()  # the prefill replica aborts its request too
             raise
         except RequestCancelledError:
@@ -306,6 +350,10 @@ class DecodeHandoff:
         h.seconds += seconds
         h.prefill_seconds += result.prefill_s
         self.metrics.handoff(result.num_bytes, seconds)
+
+
+class PrefillPoolDown(RuntimeError):
+    """A prefill call given up: the pool has no running replica to answer it."""
 
 
 @dataclass

@@ -27,6 +27,10 @@ from workers.engine import (
 MAX_BODY_BYTES = MAX_REQUEST_BYTES
 # A body past this is parsed on a worker thread (below it the thread hop costs more).
 INLINE_PARSE_BYTES = 256 * 2**10
+# The most a body may take to arrive once its headers have: the ingress bounds the first
+# buffer's worth (serve_app/ingress/), this the rest, so no slow client holds a router
+# connection open indefinitely. 16 MiB at 1 MB/s fits.
+BODY_TIMEOUT_S = 30.0
 
 # The list fields' bounds, checked before a body is parsed into models: parsing a million
 # entries only to refuse them would hold the router's event loop for seconds.
@@ -39,16 +43,25 @@ _MAX_ENTRIES = {
 
 
 async def json_body(raw: Request) -> object:
-    """An HTTP request's JSON body, read no further than MAX_BODY_BYTES."""
+    """An HTTP request's JSON body, read no further than MAX_BODY_BYTES and for no longer
+    than BODY_TIMEOUT_S."""
     declared = raw.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _body_too_large(int(declared))
     chunks, size = [], 0
-    async for chunk in raw.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _body_too_large(size)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in raw.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise _body_too_large(size)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise InvalidRequestError(
+            f"the request body did not arrive within {BODY_TIMEOUT_S:g} s ({size} bytes "
+            "came); send it at once",
+            code="request_timeout",
+        ) from None
     data = b"".join(chunks)
     try:
         if len(data) <= INLINE_PARSE_BYTES:

@@ -122,6 +122,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where this command starts Serve (default 9000); as --http-port",
     )
+    serve.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="the interface both APIs listen on where this command starts Serve (default "
+        "all; 127.0.0.1 keeps them on this machine); the ingress's stats page and "
+        "metrics listen on loopback only",
+    )
     _add_app_arg(serve)
     serve.add_argument(
         "--route-prefix",
@@ -195,7 +202,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.app or args.route_prefix:
         where["route_prefix"] = args.route_prefix or f"/{args.app}"
     ingress = service_ops.deploy(
-        config, http_port=args.http_port, grpc_port=args.grpc_port, **where
+        config,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        http_host=args.host,
+        **where,
     )
     grpc_service = f"baton.v1.Baton{f', metadata application={args.app}' if args.app else ''}"
     http_path = f"{where.get('route_prefix', '/').rstrip('/')}/v1"

@@ -128,6 +128,29 @@ SERVE_ENV = {
     "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(MAX_REQUEST_BYTES),
     "RAY_SERVE_PROXY_USE_GRPC": "1",
 }
+# The HAProxy binary Serve runs: Baton's launcher, which applies the ingress policy to
+# each config Serve writes (serve_app/ingress/). Its path is this installation's; the
+# Helm chart names the image's (IMAGE_HAPROXY_LAUNCHER).
+HAPROXY_LAUNCHER_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+# Where the Dockerfile's install puts it: the Ray image's Python.
+IMAGE_HAPROXY_LAUNCHER = "/home/ray/anaconda3/bin/baton-haproxy"
+
+
+def haproxy_launcher() -> str:
+    """This installation's `baton-haproxy` (beside its Python, else on PATH)."""
+    found = shutil.which("baton-haproxy", path=os.path.dirname(sys.executable))
+    found = found or shutil.which("baton-haproxy")
+    if found is None:
+        raise RuntimeError(
+            "baton-haproxy (Baton's ingress launcher) is not installed beside "
+            f"{sys.executable} or on PATH; reinstall Baton (scripts/setup, or pip install .)"
+        )
+    return os.path.abspath(found)
+
+
+def serve_env() -> dict[str, str]:
+    """The Serve controller's environment: SERVE_ENV and the ingress launcher."""
+    return {**SERVE_ENV, HAPROXY_LAUNCHER_ENV: haproxy_launcher()}
 
 
 def deploy(
@@ -163,9 +186,9 @@ def deploy(
                 "port": ingress.grpc_port,
                 "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
             },
-            # Serve's ingress per SERVE_ENV. The Helm chart sets the same variables on
+            # Serve's ingress per serve_env(). The Helm chart sets the same variables on
             # its pods.
-            controller_options={"runtime_env": {"env_vars": dict(SERVE_ENV)}},
+            controller_options={"runtime_env": {"env_vars": serve_env()}},
         )
         record_ingress(board, ingress)
     # Stored first: Serve goes on deploying after a timeout here, and `baton scale` must

@@ -8,6 +8,8 @@ so fields added since are read with a default.
 
 from __future__ import annotations
 
+from serve_app.serve_config import DEPLOYMENT_NAMES
+
 
 def _local_prefills(handoff: dict) -> str:
     # .get: a replica of an older release, mid rolling upgrade, does not count them.
@@ -15,11 +17,21 @@ def _local_prefills(handoff: dict) -> str:
     return f", local prefills {n}" if n else ""
 
 
+def _degraded(report: dict) -> str | None:
+    """Why the application serves degraded, by Serve's view of its pools, if it does."""
+    pools = {name: d["replicas"].get("RUNNING", 0) for name, d in report["deployments"].items()}
+    if pools.get(DEPLOYMENT_NAMES["prefill"]) == 0 and pools.get(DEPLOYMENT_NAMES["decode"]):
+        return "degraded: no prefill replica is running; decode replicas prefill new requests"
+    return None
+
+
 def status_lines(report: dict) -> list[str]:
     """`baton status`'s text for a `service_ops.status()` report."""
     lines = [f"application {report['application']}: {report['status']}"]
     if report.get("message"):
         lines.append(f"  {report['message']}")
+    if degraded := _degraded(report):
+        lines.append(f"  {degraded}")
     for name, d in report["deployments"].items():
         lines.append(f"  {name:<14} {d['status']:<10} replicas {d['replicas']}")
         if d.get("message"):
@@ -39,6 +51,8 @@ def status_lines(report: dict) -> list[str]:
             f"handoffs {r['handoff']['num_handoffs']}"
             f"{_local_prefills(r['handoff'])}"
         )
+        if r["handoff"].get("prefill_pool_down"):
+            lines.append("    degraded mode: prefilling new requests here (no prefill replica)")
         gpus = r.get("gpus", {})
         if not gpus.get("available"):
             lines.append(f"    GPUs: none ({gpus.get('reason', 'not reported')})")

@@ -1,0 +1,51 @@
+"""What Serve's controller says of this application's pools: running replicas per
+deployment, for health checks, `GetModelInfo` and a decode replica's degraded mode (it
+prefills new requests itself while the prefill pool has no running replica).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ray import serve
+
+# How long an answer of the controller is used before it is asked again.
+REFRESH_S = 1.0
+
+
+def running_replicas() -> dict[str, int]:
+    """Running replicas per deployment of this replica's application (blocks on a call
+    to Serve's controller: run it off the event loop)."""
+    app = serve.get_replica_context().app_name
+    status = serve.status().applications.get(app)
+    if status is None:
+        return {}
+    return {name: d.replica_states.get("RUNNING", 0) for name, d in status.deployments.items()}
+
+
+class PoolWatch:
+    """Whether one deployment of this application has a running replica, as the
+    controller last said. `has_running()` never waits: it returns the last answer and,
+    when that is older than REFRESH_S, asks again on a thread of its own. Until the first
+    answer, and while the controller cannot be asked, the pool counts as running (its
+    calls then fail or wait as they would without the watch)."""
+
+    def __init__(self, deployment: str) -> None:
+        self.deployment = deployment
+        self._running = True
+        self._asked_at = -REFRESH_S
+        self._pending: Future | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pool-watch")
+
+    def has_running(self) -> bool:
+        if self._pending is None and time.monotonic() - self._asked_at > REFRESH_S:
+            self._asked_at = time.monotonic()
+            self._pending = self._thread.submit(running_replicas)
+            self._pending.add_done_callback(self._answered)
+        return self._running
+
+    def _answered(self, answer: Future) -> None:
+        self._pending = None
+        if answer.exception() is None:
+            self._running = answer.result().get(self.deployment, 0) > 0
