@@ -17,7 +17,6 @@ import grpc
 import openai
 import pytest
 import ray
-from ray import serve
 from service_helpers import KV, wait_for
 
 from serve_app.config import AppConfig, PoolConfig, RouterConfig
@@ -59,8 +58,7 @@ def ingress(ray_cluster, smollm2_dir, serve_ports):
             "grpc": f"127.0.0.1:{serve_ports['grpc_port']}",
         }
     finally:
-        serve.delete(APP)
-        serve.shutdown()
+        service_ops.stop(APP)  # Serve too, and the ports it recorded for the next module
 
 
 def _metadata():
