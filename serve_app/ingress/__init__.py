@@ -6,6 +6,7 @@ starts it; `baton-haproxy` (haproxy_launcher.py), the binary Serve is told to ru
 (RAY_SERVE_HAPROXY_BINARY_PATH), applies the policy to each config Serve writes and
 runs HAProxy on the result. Standard library only: it runs at every HAProxy reload."""
 
+from serve_app.ingress.haproxy_launcher import SERVE_BINARY_ENV
 from serve_app.ingress.haproxy_policy import IngressPolicy, apply_policy
 
-__all__ = ["IngressPolicy", "apply_policy"]
+__all__ = ["SERVE_BINARY_ENV", "IngressPolicy", "apply_policy"]

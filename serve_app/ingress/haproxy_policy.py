@@ -143,7 +143,7 @@ def _section_start(
     if section == "defaults":
         return [
             f"{indent}timeout http-request {policy.header_timeout_s}s",
-            *(f"{indent}errorfile {code} {http_page}" for code in _REPLACED_ERRORS),
+            *_errorfiles(http_page, indent),
         ]
     too_large = f"{{ req.hdrs,length gt {policy.max_header_bytes} }}"
     message = (
@@ -173,14 +173,14 @@ def _section_start(
             f"{indent}http-request return status 200 content-type application/grpc "
             f"hdr grpc-status 8 hdr grpc-message {_quoted(message)} "
             f"if {too_large}",
-            *_grpc_errorfiles(grpc_page, indent),
+            *_errorfiles(grpc_page, indent),
         ]
     if section.startswith(("backend grpc", "backend default_grpc")):
-        return _grpc_errorfiles(grpc_page, indent)
+        return _errorfiles(grpc_page, indent)
     return []
 
 
-def _grpc_errorfiles(page: str, indent: str) -> list[str]:
+def _errorfiles(page: str, indent: str) -> list[str]:
     return [f"{indent}errorfile {code} {page}" for code in _REPLACED_ERRORS]
 
 

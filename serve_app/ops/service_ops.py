@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from serve_app.config import AppConfig
+from serve_app.ingress import SERVE_BINARY_ENV
 from serve_app.ops.ports import (
     Ingress,
     ingress_for,
@@ -131,7 +132,7 @@ SERVE_ENV = {
 # The HAProxy binary Serve runs: Baton's launcher, which applies the ingress policy to
 # each config Serve writes (serve_app/ingress/). Its path is this installation's; the
 # Helm chart names the image's (IMAGE_HAPROXY_LAUNCHER).
-HAPROXY_LAUNCHER_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+HAPROXY_LAUNCHER_ENV = SERVE_BINARY_ENV
 # Where the Dockerfile's install puts it: the Ray image's Python.
 IMAGE_HAPROXY_LAUNCHER = "/home/ray/anaconda3/bin/baton-haproxy"
 
