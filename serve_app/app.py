@@ -10,10 +10,8 @@ serve` does).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -21,6 +19,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig as ServeAutoscaling
 from ray.serve.config import RequestRouterConfig
 
+from serve_app.code_version import source_digest
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.engine_server import EngineServer
 from serve_app.router import Router
@@ -32,17 +31,6 @@ from workers.runner import rank_bundle
 # How often replicas report load and KV usage to the request router.
 ROUTING_STATS_PERIOD_S = 1.0
 HEALTH_CHECK_PERIOD_S = 2.0
-
-
-@functools.cache
-def source_digest() -> str:
-    """Digest of Baton's own code, so a redeploy after a code change does roll replicas."""
-    digest = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1]
-    for package in ("serve_app", "workers"):
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
-    return digest.hexdigest()
 
 
 def _pin_version(deployment, role: str, replica_args: AppConfig, code_version: str):

@@ -11,6 +11,7 @@ import time
 import urllib.request
 
 import ray
+from no_torch import run_without_torch
 from ray import serve
 
 from serve_app.grpc.api import baton_pb2 as pb
@@ -48,6 +49,14 @@ def baton(*args: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=600,
     )
+
+
+def baton_without_torch(*args: str) -> subprocess.CompletedProcess:
+    """`baton(*args)` in a process that cannot import torch: the client commands must not
+    need the engine's code where they run."""
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    program = f"from serve_app.ops.cli import main\nsys.exit(main({list(args)!r}))\n"
+    return run_without_torch(program, env=env, timeout=600)
 
 
 def wait_for(predicate, what: str, timeout_s: float = 180.0, poll_s: float = 0.5):

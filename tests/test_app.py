@@ -8,7 +8,8 @@ from ray.serve._private.deploy_utils import get_app_code_version
 from ray.serve.schema import ServeDeploySchema
 from tiny_model import make_tiny_model
 
-from serve_app.app import build_app, build_versioned_app, source_digest, validate
+from serve_app.app import build_app, build_versioned_app, validate
+from serve_app.code_version import source_digest
 from serve_app.config import TRANSPORTS, AppConfig, AutoscalingConfig, PoolConfig, RouterConfig
 from serve_app.serve_config import (
     DEPLOYMENT_NAMES,

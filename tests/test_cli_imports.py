@@ -5,39 +5,12 @@ where they would reach the service (serve_app/ops/; speed is bench/cli.py's)."""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
-import textwrap
+
+from no_torch import run_without_torch
 
 from serve_app.ops import cli
 
-# A meta-path finder, first in line, that refuses torch as if it were not installed.
-_NO_TORCH = textwrap.dedent(
-    """
-    import sys
-
-    class _NoTorch:
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError(f"{name} is not importable in this test")
-            return None
-
-    sys.meta_path.insert(0, _NoTorch())
-    """
-)
-
 _ENGINE = ("torch", "workers.engine", "workers.model", "workers.runner")
-
-
-def _without_torch(*code: str) -> subprocess.CompletedProcess:
-    """Runs the code pieces in a fresh interpreter that cannot import torch."""
-    program = "".join(textwrap.dedent(piece) for piece in (_NO_TORCH, *code))
-    return subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 # Printed last by each program: the engine modules it loaded (none, it should say).
@@ -47,7 +20,7 @@ print("ENGINE", sorted(m for m in sys.modules if m.startswith({_ENGINE!r})))
 
 
 def test_the_blocker_does_block_torch():
-    run = _without_torch("import torch\n")
+    run = run_without_torch("import torch\n")
     assert run.returncode == 1 and "torch is not importable in this test" in run.stderr
 
 
@@ -65,7 +38,7 @@ def test_help_and_generate_up_to_the_connection_need_no_torch():
         # Nothing listens on port 1: the call fails where it would reach the service.
         print("RC", main(["generate", "--address", "127.0.0.1:1", "--max-tokens", "1", "x"]))
         """
-    run = _without_torch(code, _LOADED_ENGINE_MODULES)
+    run = run_without_torch(code, _LOADED_ENGINE_MODULES)
     assert "RC 1" in run.stdout, run.stderr
     assert "ENGINE []" in run.stdout, run.stdout
     assert "baton: UNAVAILABLE: " in run.stderr and "127.0.0.1:1" in run.stderr
@@ -74,7 +47,7 @@ def test_help_and_generate_up_to_the_connection_need_no_torch():
 
 def test_bench_needs_no_torch():
     # Nothing listens on port 1: every request fails, and is counted as failed.
-    run = _without_torch(
+    run = run_without_torch(
         """
         from serve_app.ops.cli import main
         args = ["bench", "--base-url", "http://127.0.0.1:1/v1", "--model", "m", "--warmup", "0"]
@@ -86,8 +59,8 @@ def test_bench_needs_no_torch():
     assert '"requests_sent": 2' in run.stdout and '"requests_failed": 2' in run.stdout
 
 
-def test_a_bad_flag_for_the_remote_generate_is_refused_without_torch():
-    run = _without_torch(
+def test_a_bad_flag_for_the_remote_generate_is_refusedrun_without_torch():
+    run = run_without_torch(
         """
         from serve_app.ops.cli import main
         print("RC", main(["generate", "--seed", "-1", "x"]))
@@ -98,7 +71,7 @@ def test_a_bad_flag_for_the_remote_generate_is_refused_without_torch():
     assert "baton: error: seed: Value out of range" in run.stderr
 
 
-def test_status_and_stop_read_serves_status_without_torch():
+def test_status_and_stop_read_serves_statusrun_without_torch():
     # What `baton status` and `stop` import, and Serve's own reading of its status with a
     # Baton router's config in it: Serve imports that router's module to validate it, so
     # the module (and serve_app.protocol under it) must not load the engine.
@@ -114,7 +87,7 @@ def test_status_and_stop_read_serves_status_without_torch():
         }}, status
         print("STATUS", status.applications["baton"].status.value)
         """
-    run = _without_torch(code, _LOADED_ENGINE_MODULES)
+    run = run_without_torch(code, _LOADED_ENGINE_MODULES)
     assert "STATUS RUNNING" in run.stdout, run.stderr
     assert "ENGINE []" in run.stdout, run.stdout
 

@@ -28,7 +28,7 @@ from service_helpers import (
     _snapshots,
     _wait_idle,
     _wait_prefill_exports_freed,
-    baton,
+    baton_without_torch,
     wait_for,
 )
 
@@ -205,7 +205,8 @@ def test_scaling_prefill_during_traffic_fails_nothing_and_the_new_replica_serves
         return [s for s in _snapshots() if (s["app"], s["role"]) == ("disagg", "prefill")]
 
     try:
-        scaled = baton("scale", "prefill", "2", "--app", "disagg")
+        # As an operator's machine without the engine would: no torch in the driver.
+        scaled = baton_without_torch("scale", "prefill", "2", "--app", "disagg")
         assert scaled.returncode == 0, scaled.stderr
         assert "prefill pool scaled to 2 replicas" in scaled.stderr
         # Traffic goes on until both replicas have computed some of it.

@@ -13,7 +13,6 @@ from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 from service_helpers import KV, wait_for
 
-from serve_app import app as app_module
 from serve_app.config import AppConfig, AutoscalingConfig, PoolConfig
 from serve_app.ops import node_drain, service_ops
 from serve_app.ops.client import BatonClient, generate_request
@@ -124,7 +123,7 @@ def test_deploy_starts_serve_with_its_env_and_stop_removes_only_its_application(
     (first,) = wait_for(lambda: _running_replicas(board, APP_NAME), "the first replica")
     # Baton's code edited since `baton serve` (an editable install): scaling one pool
     # must still keep every running replica, not roll them all to a new version.
-    monkeypatch.setattr(app_module, "source_digest", lambda: "edited since")
+    monkeypatch.setattr(service_ops, "source_digest", lambda: "edited since")
     service_ops.scale("aggregated", 2)
 
     def settled() -> set[str] | None:

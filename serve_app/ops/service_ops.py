@@ -5,7 +5,8 @@ this module starts, marks as its own, and leaves running), act through Serve's P
 API, and exit.
 Scaling redeploys the same application with one pool's replica count changed; every
 deployment's version is pinned to its replicas' arguments (app.py), so Serve only adds
-or drains that pool's replicas and in-flight requests carry on.
+or drains that pool's replicas and in-flight requests carry on. It is rebuilt by a task
+on the cluster, so `baton scale`, like `status` and `stop`, never imports the engine.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 
+from serve_app.code_version import source_digest
 from serve_app.config import AppConfig
 from serve_app.ingress import SERVE_BINARY_ENV
 from serve_app.ops.ports import (
@@ -163,18 +165,16 @@ def deploy(
     http_host: str = "0.0.0.0",
     route_prefix: str = "/",
     timeout_s: float = DEPLOY_TIMEOUT_S,
-    code_version: str | None = None,
 ) -> Ingress | None:
     """Deploys (or updates in place) the application; returns once it is running, with
     the ports its clients reach (None: Serve was started outside Baton, which alone
     knows them). Ports apply where this call starts Serve (by default 8000 and 9000); on
     a running Serve, one that differs from its ports is a ValueError (serve_app/ops/ports.py).
     TimeoutError (with Serve's view of each deployment) if it is not within `timeout_s`;
-    Serve goes on trying, so the operator can wait longer or deploy a smaller config.
-    `code_version`: see `build_app` (by default this code's)."""
-    from serve_app.app import build_versioned_app, source_digest
+    Serve goes on trying, so the operator can wait longer or deploy a smaller config."""
+    from serve_app.app import build_versioned_app
 
-    code_version = code_version or source_digest()
+    code_version = source_digest()
     app = build_versioned_app(config, code_version)  # validates before anything starts
     board = get_or_create_board(DEFAULT_BOARD_NAME)
     running = serve_running()
@@ -192,19 +192,8 @@ def deploy(
             controller_options={"runtime_env": {"env_vars": serve_env()}},
         )
         record_ingress(board, ingress)
-    # Stored first: Serve goes on deploying after a timeout here, and `baton scale` must
-    # still find the config then. A deploy Serve refuses or fails leaves the last one.
-    previous = ray.get(board.config.remote(app_name))
-    ray.get(
-        board.set_config.remote(app_name, Deployed(config, route_prefix, code_version).to_record())
-    )
-    try:
-        _run_within(app, app_name, route_prefix, timeout_s)
-    except TimeoutError:
-        raise
-    except Exception:
-        ray.get(board.set_config.remote(app_name, previous))
-        raise
+    previous = _record_and_submit(app, Deployed(config, route_prefix, code_version), app_name)
+    _wait_running(app_name, timeout_s, previous)
     return ingress
 
 
@@ -225,17 +214,44 @@ def deploy_progress(app_status: Any) -> str:
     )
 
 
-def _run_within(app: Any, app_name: str, route_prefix: str, timeout_s: float) -> None:
-    """`serve.run` with a bound on its wait: Serve's own waits for ever."""
+def _record_and_submit(app: Any, deployed: Deployed, app_name: str) -> dict[str, Any] | None:
+    """Stores how the application is deployed, then hands it to Serve without Serve's
+    wait (`_wait_running` polls with a bound instead, so a timeout leaves no thread behind
+    still waiting on the controller). Returns the record it replaced.
+
+    Stored first: Serve goes on deploying after a timeout, and `baton scale` must still
+    find the config then. A deploy Serve refuses leaves the last one."""
+    board = get_or_create_board(DEFAULT_BOARD_NAME)
+    previous = ray.get(board.config.remote(app_name))
+    ray.get(board.set_config.remote(app_name, deployed.to_record()))
+    try:
+        serve.run_many(
+            [serve.RunTarget(app, name=app_name, route_prefix=deployed.route_prefix)],
+            wait_for_ingress_deployment_creation=False,
+            wait_for_applications_running=False,
+        )
+    except Exception:
+        ray.get(board.set_config.remote(app_name, previous))
+        raise
+    return previous
+
+
+def _wait_running(app_name: str, timeout_s: float, previous: dict[str, Any] | None) -> None:
+    """Waits, bounded, for the submitted application to run (Serve's own wait is for
+    ever). A deploy that fails puts `previous` back as the application's record."""
+    try:
+        _poll_running(app_name, timeout_s)
+    except TimeoutError:
+        raise
+    except Exception:
+        board = get_or_create_board(DEFAULT_BOARD_NAME)
+        ray.get(board.set_config.remote(app_name, previous))
+        raise
+
+
+def _poll_running(app_name: str, timeout_s: float) -> None:
     from ray.serve.schema import ApplicationStatus
 
-    # Submitted without Serve's wait, then polled here, so a timeout leaves no thread
-    # behind still waiting on the controller.
-    serve.run_many(
-        [serve.RunTarget(app, name=app_name, route_prefix=route_prefix)],
-        wait_for_ingress_deployment_creation=False,
-        wait_for_applications_running=False,
-    )
     started = time.monotonic()
     deadline = started + timeout_s
     shown, shown_at = None, started
@@ -312,11 +328,39 @@ def deployed(app_name: str = APP_NAME) -> Deployed | None:
     return None if record is None else Deployed.from_record(app_name, record)
 
 
-def scale(pool: str, num_replicas: int, app_name: str = APP_NAME, fixed: bool = False) -> AppConfig:
+def scale(pool: str, num_replicas: int, app_name: str = APP_NAME, fixed: bool = False) -> None:
     """Sets one pool's replica count and redeploys (`rescaled` says what may change),
-    with the code version it was deployed with: only that pool's replicas change."""
+    with the code version it was deployed with: only that pool's replicas change. The
+    application is rebuilt by a task on the cluster (`_rescale_and_submit`), so this
+    driver loads no engine code."""
     if app_name not in serve.status().applications:
         raise ValueError(f"no application {app_name!r} is deployed; start it with `baton serve`")
+    deployed_version = (_record(app_name) or {}).get("code_version")
+    if deployed_version and deployed_version != source_digest():
+        log.warning(
+            "Baton's code here differs from what `baton serve` deployed: the new %s "
+            "replicas load the code on their nodes, the running ones keep theirs; run "
+            "`baton serve` to roll every pool onto one version",
+            pool,
+        )
+    try:
+        previous = ray.get(_rescale_and_submit.remote(pool, num_replicas, app_name, fixed))
+    except ray.exceptions.RayTaskError as e:
+        # The refusal itself (a ValueError naming what to do), not Ray's wrapping of it.
+        raise e.cause from None
+    _wait_running(app_name, DEPLOY_TIMEOUT_S, previous)
+
+
+# On a cluster node, where Baton is installed with its engine (the replicas' own
+# environment); one call per worker process, so the engine's modules it imported do not
+# stay resident in an idle worker.
+@ray.remote(num_cpus=0, max_calls=1)
+def _rescale_and_submit(
+    pool: str, num_replicas: int, app_name: str, fixed: bool
+) -> dict[str, Any] | None:
+    """`scale`'s redeploy up to Serve's wait; returns the record it replaced."""
+    from serve_app.app import build_versioned_app
+
     current = deployed(app_name)
     if current is None:
         raise ValueError(
@@ -324,22 +368,10 @@ def scale(pool: str, num_replicas: int, app_name: str = APP_NAME, fixed: bool = 
             "its Serve config instead (e.g. `helm upgrade --set prefill.replicas=N`)"
         )
     config = rescaled(current.config, pool, num_replicas, fixed)
-    from serve_app.app import source_digest
-
-    if current.code_version and current.code_version != source_digest():
-        log.warning(
-            "Baton's code here differs from what `baton serve` deployed: the new %s "
-            "replicas load the code on their nodes, the running ones keep theirs; run "
-            "`baton serve` to roll every pool onto one version",
-            pool,
-        )
-    deploy(
-        config,
-        app_name=app_name,
-        route_prefix=current.route_prefix,
-        code_version=current.code_version,
-    )
-    return config
+    # A record an earlier Baton kept has no code version: the code on this node's is used.
+    code_version = current.code_version or source_digest()
+    app = build_versioned_app(config, code_version)
+    return _record_and_submit(app, Deployed(config, current.route_prefix, code_version), app_name)
 
 
 def rescaled(config: AppConfig, pool: str, num_replicas: int, fixed: bool = False) -> AppConfig:
