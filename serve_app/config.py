@@ -105,8 +105,10 @@ class PoolConfig(_Frozen):
     kv_cache_bytes: int = Field(512 * 2**20, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
-    # torch threads per replica (or per TP rank); replicas sharing a machine want 1 each.
-    num_threads: int = Field(1, ge=1)
+    # torch threads per replica (or per TP rank). "auto": the machine's cores, shared step
+    # by step among the engines busy on it (workers/engine/core_share.py): all of them
+    # while this replica alone has work, an even split while others have too.
+    num_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     # Weights and KV cache; pools may differ (a handoff converts the KV on import).
     dtype: DType = "auto"
     # Requests Serve sends one replica at once; beyond it they queue at the router. (A

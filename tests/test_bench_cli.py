@@ -41,7 +41,8 @@ def test_summary_counts_percentiles_and_goodput():
 
 class _Server(BaseHTTPRequestHandler):
     """/v1/models and a streamed /v1/completions: `usage` in the last chunk unless the
-    prompt says "no usage"; "fail" answers 400 in OpenAI's error shape."""
+    prompt says "no usage"; "fail" answers 400 in OpenAI's error shape; "cut" ends the
+    stream before its usage and [DONE]."""
 
     def log_message(self, *args):
         pass
@@ -61,6 +62,8 @@ class _Server(BaseHTTPRequestHandler):
         for i in range(n):
             chunk = {"choices": [{"index": 0, "text": f" t{i}"}]}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if body["prompt"] == "cut":
+            return  # as a server that dies mid-stream: no usage, no [DONE]
         if body["prompt"] != "no usage":
             usage = {"prompt_tokens": 3, "completion_tokens": n}
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
@@ -96,6 +99,8 @@ def test_the_client_times_a_stream_and_reads_its_usage(server):
     assert bare.ok and bare.output_tokens == 4  # one token a chunk
     failed = endpoint.complete(BenchRequest("fail", 4))
     assert not failed.ok and failed.error.startswith("HTTP 400")
+    cut = endpoint.complete(BenchRequest("cut", 4))
+    assert not cut.ok and cut.error == "the stream was cut before [DONE]"
 
 
 def test_a_bench_run_writes_json_lines_a_table_and_a_plot(server, tmp_path, capsys):

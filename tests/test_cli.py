@@ -171,14 +171,12 @@ def test_serve_logs_each_deployments_replicas_while_it_waits(monkeypatch, caplog
         ]
     )
     fake_serve = SimpleNamespace(
-        run_many=lambda *a, **k: None,
-        RunTarget=lambda *a, **k: None,
         status=lambda: SimpleNamespace(applications={"baton": a} if (a := next(seen)) else {}),
     )
     monkeypatch.setattr(service_ops, "serve", fake_serve)
     monkeypatch.setattr(service_ops, "_DEPLOY_POLL_S", 0.0)
     with caplog.at_level("INFO", logger="baton"):
-        service_ops._run_within(object(), "baton", "/", timeout_s=60)
+        service_ops._poll_running("baton", timeout_s=60)
     lines = [r.getMessage().split(": ", 1)[1] for r in caplog.records]
     assert lines == [
         "waiting for Serve to create the deployments",

@@ -34,3 +34,11 @@ def test_threads_apply_to_every_pool_and_are_checked(model_dir):
     zero = _build_parser().parse_args(["serve", "--model", str(model_dir), "--threads", "0"])
     with pytest.raises(ValueError, match="num_threads"):
         app_config_from_args(zero)
+    # auto is every pool's default too: the cores, shared among the busy replicas.
+    auto = _build_parser().parse_args(["serve", "--model", str(model_dir), "--threads", "auto"])
+    assert app_config_from_args(auto).decode.num_threads == "auto"
+    assert app_config_from_args(_build_parser().parse_args(["serve"])).prefill.num_threads == (
+        "auto"
+    )
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(["serve", "--threads", "many"])

@@ -51,6 +51,16 @@ def _app_name(args: argparse.Namespace) -> dict[str, str]:
     return {"app_name": args.app} if args.app else {}
 
 
+def _threads(text: str) -> int | str:
+    """`--threads`: a count (PoolConfig checks its range), or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number or auto, got {text!r}") from None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Baton LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,10 +114,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--threads",
-        type=int,
+        type=_threads,
         default=None,
-        help="every pool's torch threads per replica or TP rank (default 1, for replicas "
-        "sharing a machine; a lone aggregated replica on a 2-core machine wants 2)",
+        help="every pool's torch threads per replica or TP rank: a number, or auto (the "
+        "default: the machine's cores, shared step by step among the replicas busy on it)",
     )
     serve.add_argument(
         "--http-port",

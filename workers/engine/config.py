@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -69,8 +70,10 @@ class EngineConfig:
     # on one without, it is far slower than float32.
     dtype: str = "auto"
     # torch intra-op threads: of the engine's process when tensor_parallel_size is 1
-    # (None leaves torch's setting), else of each rank (None means 1).
-    num_threads: int | None = None
+    # (None leaves torch's setting), else of each rank (None means 1). "auto": the
+    # machine's cores, shared step by step with the other engines on it (core_share.py);
+    # each TP rank takes an even part of them.
+    num_threads: int | Literal["auto"] | None = None
     # Ranks (Ray actors, one device each) the attention and MLP weights are split over.
     tensor_parallel_size: int = 1
     # Where the ranks go: "own", a placement group the engine reserves on its node;
@@ -116,8 +119,10 @@ class EngineConfig:
             raise ValueError(
                 f"tp_placement must be one of {TP_PLACEMENTS}, got {self.tp_placement!r}"
             )
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.num_threads not in (None, "auto") and (
+            not isinstance(self.num_threads, int) or self.num_threads < 1
+        ):
+            raise ValueError(f"num_threads must be >= 1 or 'auto', got {self.num_threads!r}")
         if self.model_id is not None and not self.model_id:
             raise ValueError(
                 "model_id must be a non-empty name, or None to derive it from the files"

@@ -27,6 +27,7 @@ import torch
 from workers.engine import prompt_logprobs
 from workers.engine.block_hash import BlockHash
 from workers.engine.config import EngineConfig, kv_cache_bytes_per_block
+from workers.engine.core_share import CoreShare
 from workers.engine.grammar_compiler import GrammarCompiler
 from workers.engine.handoff.decode_imports import DecodeImports
 from workers.engine.handoff.handle import KVHandle
@@ -66,6 +67,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(model_dir)
         tp = config.tensor_parallel_size
         self.model_config.check_tp_degree(tp)
+        # Threads "auto": each step takes the engine's share of the machine's cores.
+        self.cores = CoreShare() if config.num_threads == "auto" else None
         self.use_thread()
         self.tokenizer = tokenizer or Tokenizer(model_dir)
         self.max_model_len = config.context_length(self.model_config)
@@ -99,7 +102,7 @@ class LLMEngine:
         if tp == 1:
             self.runner = ModelRunner.from_spec(spec)
         else:
-            self.runner = TPWorkerGroup(tp, spec, config.num_threads or 1, config.tp_placement)
+            self.runner = TPWorkerGroup(tp, spec, self._rank_threads(), config.tp_placement)
         # A handoff moves one part per KV-head share (ranks replicating a head share one).
         kv_size = kv_shards(self.model_config.num_key_value_heads, tp)
         self.handoffs = PrefillExports(
@@ -230,8 +233,12 @@ class LLMEngine:
             drafts = _grammar_drafts(drafts)
         scheduled = self.scheduler.schedule(drafts).scheduled
         if not scheduled:
+            if self.cores is not None:
+                self.cores.idle()
             self.kv.flush_events()
             return outputs
+        if self.cores is not None:
+            self._take_cores(sum(s.num_new_tokens for s in scheduled))
         sampling = [s for s in scheduled if s.samples]
         # The grammars' masks are computed while the model runs.
         masks = self.token_masks.start([(s.seq.grammar, s.draft_token_ids) for s in sampling])
@@ -260,6 +267,8 @@ class LLMEngine:
             # Requests that finished here freed blocks and slots: the imports waiting for
             # them go in now, their first tokens out with the next step's outputs.
             self._admit_imports(now)
+        if self.cores is not None and not self.scheduler.running and not self.scheduler.waiting:
+            self.cores.idle()
         self.kv.flush_events()
         return outputs
 
@@ -460,9 +469,28 @@ class LLMEngine:
     def use_thread(self) -> None:
         """Gives the calling thread this engine's torch thread count; call it from any
         thread that will step the engine (workers/torch_threads.py says why). With TP,
-        the ranks compute and set their own."""
-        if self.config.num_threads is not None and self.config.tensor_parallel_size == 1:
-            use_num_threads(self.config.num_threads)
+        the ranks compute and set their own; with "auto", each step sets its share."""
+        if self.config.tensor_parallel_size > 1 or self.config.num_threads is None:
+            return
+        use_num_threads(self.cores.cores if self.cores else self.config.num_threads)
+
+    def _take_cores(self, num_tokens: int) -> None:
+        """Marks this engine busy in the machine's table and sets the step's threads
+        ("auto"): its share of the cores, except for a step of one token. One sequence's
+        decode step is a chain of small matrix-vector products; split over two threads
+        each takes tens of microseconds, and the serving path's per-token work on the
+        other core stalls the pair more than the split saves (bench/RESULTS.md: 0.93x
+        of one thread for a single stream through the service). With TP the ranks'
+        counts are fixed; the others still see this engine busy."""
+        share = self.cores.threads()
+        if self.config.tensor_parallel_size == 1:
+            use_num_threads(share if num_tokens > 1 else 1)
+
+    def _rank_threads(self) -> int:
+        """Each TP rank's torch threads: "auto" splits the machine's cores evenly."""
+        if self.cores is not None:
+            return max(1, self.cores.cores // self.config.tensor_parallel_size)
+        return self.config.num_threads or 1
 
     def runner_failure(self) -> str | None:
         """Why the TP worker group is unusable, or None. A rank that dies during a KV pull
@@ -478,6 +506,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Releases the TP worker processes, if any; the engine is unusable afterwards."""
         self.token_masks.shutdown()
+        if self.cores is not None:
+            self.cores.close()
         if isinstance(self.runner, TPWorkerGroup):
             self.runner.shutdown()
 

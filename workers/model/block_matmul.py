@@ -18,6 +18,7 @@ model runs on its float32 weights alone, as every non-GGUF model does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -106,25 +107,38 @@ class WeightBlocks:
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
         return (q * self.scale[..., None] + self.min[..., None]).view(self.shape)
 
+    @functools.cached_property
+    def _kernel_args(self) -> tuple[int, int, int, int, int, int | None]:
+        """(kind id, N, K, then the qs, scale and min addresses): what every call passes,
+        worked out once (a decode step makes ~120 calls; the tensors never move)."""
+        mins = None if self.min is None else self.min.data_ptr()
+        n, k = self.shape
+        return _KIND_IDS[self.kind], n, k, self.qs.data_ptr(), self.scale.data_ptr(), mins
+
+    def __getstate__(self) -> dict:
+        # Addresses are this process's: a copy or another process works them out anew.
+        return {k: v for k, v in self.__dict__.items() if k != "_kernel_args"}
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 @ weight.T -> [M, N]."""
         lib = kernels.library()
         if lib is None:
             raise RuntimeError("Baton's CPU kernels are not built (see kernels.library)")
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.shape[1]:
-            raise RuntimeError(f"block matmul takes float32 [M, {self.shape[1]}], got {x.shape}")
+        kind, n, k, qs, scale, mins = self._kernel_args
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+            raise RuntimeError(f"block matmul takes float32 [M, {k}], got {x.shape}")
         x = x.contiguous()
-        out = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
         status = lib.baton_block_matmul(
-            _KIND_IDS[self.kind],
+            kind,
             x.data_ptr(),
             x.shape[0],
-            x.shape[1],
-            self.qs.data_ptr(),
-            self.scale.data_ptr(),
-            None if self.min is None else self.min.data_ptr(),
+            k,
+            qs,
+            scale,
+            mins,
             out.data_ptr(),
-            self.shape[0],
+            n,
             torch.get_num_threads(),
         )
         if status != 0:

@@ -143,7 +143,10 @@ class Endpoint:
             else:
                 result.itl.append(now - last)
             last = now
-        if result.ok and not result.output_tokens:
+        if not result.ok:
+            result.error = "the stream was cut before [DONE]"
+            return
+        if not result.output_tokens:
             result.output_tokens = chunks  # a server that sends no usage: one token a chunk
-        if result.ok and result.ttft is None:
+        if result.ttft is None:
             result.ok, result.error = False, "the stream ended without a token"

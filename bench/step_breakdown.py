@@ -1,0 +1,133 @@
+"""Where an engine step's time goes, in process: a single stream's decode step, a
+32-stream decode step and a 512-token prefill, on the bundled model.
+
+Each part is timed by wrapping the functions that do it (a timer call each, about a
+microsecond, which the `python_and_rest` share includes):
+- `layer_matmuls`: the projections (block kernel up to 128 rows, oneDNN above);
+- `lm_head`: the output projection and any final soft-capping;
+- `attention`: paged attention, the KV write included;
+- `small_kernels`: RMSNorm (with the residual add), rope and the gated activation
+  (the Llama family's; other families' rope is counted in the rest);
+- `runner_prep`: the runner's step inputs, metadata and block tables;
+- `sampling`: the sampler;
+- `python_and_rest`: everything else (module dispatch, the scheduler, views, outputs).
+Printed per scenario and part: milliseconds per step and share of the step, then the
+step's total; --threads sets torch's threads as an engine of that many would have.
+
+    .venv/bin/python bench/step_breakdown.py [--model smollm2-135m-instruct] [--threads 1]
+        [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from common import TOPICS, emit, git_commit, log, topic_prompt
+
+from workers.engine import llm_engine
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+from workers.model import mlp, norm
+from workers.model.attention import PagedAttention
+from workers.model.bundled_model import BUNDLED_MODELS, DEFAULT_MODEL
+from workers.model.model_cache import ensure_model
+from workers.model.models import llama
+from workers.model.models.causal_lm import CausalLM
+from workers.model.parallel import PackableLinear
+from workers.runner.model_runner import ModelRunner
+
+_spent: dict[str, float] = defaultdict(float)
+_depth = [0]  # nested timers (the LM head's matmul) count once, in the outer part
+
+
+def _timed(part: str, fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        if _depth[0]:
+            return fn(*args, **kwargs)
+        _depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _spent[part] += time.perf_counter() - start
+            _depth[0] -= 1
+
+    return wrapper
+
+
+def _instrument() -> None:
+    PackableLinear.matmul = _timed("layer_matmuls", PackableLinear.matmul)
+    CausalLM.compute_logits = _timed("lm_head", CausalLM.compute_logits)
+    PagedAttention.forward = _timed("attention", PagedAttention.forward)
+    norm.RMSNorm.forward = _timed("small_kernels", norm.RMSNorm.forward)
+    mlp._kernel_gated = _timed("small_kernels", mlp._kernel_gated)
+    # Bound by name where they are called.
+    llama.apply_rope = _timed("small_kernels", llama.apply_rope)
+    ModelRunner._metadata = _timed("runner_prep", ModelRunner._metadata)
+    llm_engine.sample_with_drafts = _timed("sampling", llm_engine.sample_with_drafts)
+
+
+def _measure(engine: LLMEngine, prompts: list[list[int]], decode: bool, steps: int):
+    """(seconds per step, {part: seconds per step}) over `steps` decode steps of the
+    prompts' sequences, or over their prefill step."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(uuid.uuid4().hex, p, params)
+    if decode:
+        engine.step()  # the prefill, not measured
+    _spent.clear()
+    counted = steps if decode else 1
+    start = time.perf_counter()
+    for _ in range(counted):
+        engine.step()
+    total = (time.perf_counter() - start) / counted
+    parts = {k: v / counted for k, v in _spent.items()}
+    while engine.has_unfinished():
+        engine.step()
+    return total, parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(BUNDLED_MODELS))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    _instrument()
+    model_dir = ensure_model(BUNDLED_MODELS[args.model])
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), num_threads=args.threads, enable_prefix_caching=False)
+    )
+    tok = engine.tokenizer
+    _measure(engine, [topic_prompt(tok, TOPICS[0], 32)], True, 8)  # warm-up
+    scenarios = {
+        "decode_1": ([topic_prompt(tok, TOPICS[0], 32)], True),
+        "decode_32": ([topic_prompt(tok, TOPICS[i % len(TOPICS)], 32) for i in range(32)], True),
+        "prefill_512": ([topic_prompt(tok, TOPICS[1], 512)], False),
+    }
+    context = {"model": args.model, "threads": args.threads, "commit": git_commit()}
+    for name, (prompts, decode) in scenarios.items():
+        total, parts = _measure(engine, prompts, decode, args.steps)
+        parts["python_and_rest"] = total - sum(parts.values())
+        for part, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+            emit(
+                f"step.{name}.{part}_ms",
+                seconds * 1e3,
+                "ms",
+                share=round(seconds / total, 3),
+                **context,
+            )
+            log(f"{name:12s} {part:16s} {seconds * 1e3:8.2f} ms  {seconds / total:6.1%}")
+        emit(f"step.{name}.total_ms", total * 1e3, "ms", **context)
+        log(f"{name:12s} {'total':16s} {total * 1e3:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
