@@ -59,10 +59,16 @@ def test_a_dead_process_slot_counts_no_more_and_is_claimed_again(table):
     other.close()
 
 
-def test_closed_slots_are_free_again_and_a_full_table_is_refused(table):
+def test_closed_slots_are_free_again_and_past_a_full_table_an_engine_takes_one_thread(
+    table, caplog
+):
     shares = [CoreShare(cores=2, path=table) for _ in range(NUM_SLOTS)]
-    with pytest.raises(RuntimeError, match="set the engines' thread counts explicitly"):
-        CoreShare(cores=2, path=table)
+    with caplog.at_level("WARNING", logger="workers.engine.core_share"):
+        alone = CoreShare(cores=2, path=table)
+    assert "set the engines' thread counts instead of 'auto'" in caplog.text
+    assert alone.threads() == 1
+    alone.idle()
+    alone.close()
     shares.pop().close()
     again = CoreShare(cores=2, path=table)
     again.close()
@@ -71,6 +77,12 @@ def test_closed_slots_are_free_again_and_a_full_table_is_refused(table):
     assert all(
         _SLOT.unpack_from(table.read_bytes(), i * _SLOT.size) == (0, 0) for i in range(NUM_SLOTS)
     )
+
+
+def test_without_a_table_an_engine_takes_one_thread(tmp_path):
+    share = CoreShare(cores=2, path=tmp_path / "missing" / "cores")
+    assert share.threads() == 1
+    share.close()
 
 
 def test_machine_cores_are_what_this_process_may_run_on():

@@ -20,12 +20,15 @@ and their own cores, so each shares within itself.
 from __future__ import annotations
 
 import fcntl
+import logging
 import math
 import mmap
 import os
 import struct
 import weakref
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 TABLE_PATH = Path("/dev/shm/baton-cores")
 NUM_SLOTS = 64
@@ -61,43 +64,59 @@ def _release(table: mmap.mmap, slot: int) -> None:
     table.close()
 
 
+class TableFullError(Exception):
+    """Every slot of the table is held by a live engine."""
+
+
 class CoreShare:
     """This process's slot in the machine's table; `threads()` at each busy step, `idle()`
-    when the engine runs out of work."""
+    when the engine runs out of work. Where the table cannot be used (no /dev/shm, every
+    slot held) the engine steps on one thread, with a warning."""
 
     def __init__(self, cores: int | None = None, path: Path = TABLE_PATH):
         self.cores = cores or machine_cores()
         self.pid = os.getpid()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # one claimer at a time
-            if os.fstat(fd).st_size < NUM_SLOTS * _SLOT.size:
-                os.ftruncate(fd, NUM_SLOTS * _SLOT.size)
-            self._table = mmap.mmap(fd, NUM_SLOTS * _SLOT.size)
-            self._slot = self._claim()
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
         self._busy = False
+        self._table: mmap.mmap | None = None
+        try:
+            self._table, self._slot = self._join(path)
+        except (OSError, TableFullError) as e:
+            # Alone, it cannot know who else is busy: one thread, as before "auto".
+            log.warning("cannot share the machine's cores (%s); this engine steps on one thread", e)
+            return
         # Given back when the engine is shut down or, failing that, collected.
         self._release = weakref.finalize(self, _release, self._table, self._slot)
 
-    def _claim(self) -> int:
-        """A free slot (never claimed, or its process gone), marked with this pid. Two
-        engines in one process hold two slots."""
-        for slot in range(NUM_SLOTS):
-            pid, _ = _SLOT.unpack_from(self._table, slot * _SLOT.size)
-            if pid == 0 or (pid != self.pid and not _alive(pid)):
-                _SLOT.pack_into(self._table, slot * _SLOT.size, self.pid, 0)
-                return slot
-        raise RuntimeError(
-            f"every one of the {NUM_SLOTS} engine slots in {TABLE_PATH} is held by a live "
-            "process; set the engines' thread counts explicitly instead of 'auto'"
+    def _join(self, path: Path) -> tuple[mmap.mmap, int]:
+        """The table, mapped, and a free slot in it (never claimed, or its process gone)
+        marked with this pid. Two engines in one process hold two slots."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            # One claimer at a time. Unlocked explicitly: the mapping keeps a duplicate of
+            # the descriptor, and with it the lock, past the close.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_size < NUM_SLOTS * _SLOT.size:
+                os.ftruncate(fd, NUM_SLOTS * _SLOT.size)
+            table = mmap.mmap(fd, NUM_SLOTS * _SLOT.size)
+            for slot in range(NUM_SLOTS):
+                pid, _ = _SLOT.unpack_from(table, slot * _SLOT.size)
+                if pid == 0 or (pid != self.pid and not _alive(pid)):
+                    _SLOT.pack_into(table, slot * _SLOT.size, self.pid, 0)
+                    return table, slot
+            table.close()
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        raise TableFullError(
+            f"every one of the {NUM_SLOTS} slots in {path} is held by a live engine; set "
+            "the engines' thread counts instead of 'auto'"
         )
 
     def threads(self) -> int:
         """Marks this engine busy; the threads its step may use: the cores split among
         the busy engines, at least one."""
+        if self._table is None:
+            return 1
         if not self._busy:
             self._set_busy(True)
         busy = 0
@@ -114,7 +133,8 @@ class CoreShare:
 
     def close(self) -> None:
         """Gives the slot back (once; later calls do nothing)."""
-        self._release()
+        if self._table is not None:
+            self._release()
 
     def _set_busy(self, busy: bool) -> None:
         _BUSY.pack_into(self._table, self._slot * _SLOT.size + 8, int(busy))
