@@ -39,12 +39,16 @@ def _leftovers() -> list[str]:
     return [f"placement group {g['bundles']}" for g in groups if g["state"] != "REMOVED"]
 
 
+def _joining_env() -> dict[str, str]:
+    """This process's environment, with RAY_ADDRESS naming its Ray cluster."""
+    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+
+
 def baton(*args: str) -> subprocess.CompletedProcess:
     """The `baton` command as an operator runs it, joining this process's Ray cluster."""
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     return subprocess.run(
         [sys.executable, "-m", "serve_app.ops.cli", *args],
-        env=env,
+        env=_joining_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -54,9 +58,8 @@ def baton(*args: str) -> subprocess.CompletedProcess:
 def baton_without_torch(*args: str) -> subprocess.CompletedProcess:
     """`baton(*args)` in a process that cannot import torch: the client commands must not
     need the engine's code where they run."""
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     program = f"from serve_app.ops.cli import main\nsys.exit(main({list(args)!r}))\n"
-    return run_without_torch(program, env=env, timeout=600)
+    return run_without_torch(program, env=_joining_env(), timeout=600)
 
 
 def wait_for(predicate, what: str, timeout_s: float = 180.0, poll_s: float = 0.5):

@@ -267,7 +267,7 @@ class LLMEngine:
             # Requests that finished here freed blocks and slots: the imports waiting for
             # them go in now, their first tokens out with the next step's outputs.
             self._admit_imports(now)
-        if self.cores is not None and not self.scheduler.running and not self.scheduler.waiting:
+        if self.cores is not None and not self.scheduler.has_work():
             self.cores.idle()
         self.kv.flush_events()
         return outputs
