@@ -39,7 +39,7 @@ BLOCK_KINDS_KEY = "block_kinds"
 QS_BYTES = {"q4_1": 16, "q8_0": 32, "q8_16": 32}
 # Scales per block of 32: q8_16 has one per 16 weights.
 SCALES_PER_BLOCK = {"q4_1": 1, "q8_0": 1, "q8_16": 2}
-_KIND_IDS = {"q4_1": 0, "q8_0": 1, "q8_16": 2}
+KIND_IDS = {"q4_1": 0, "q8_0": 1, "q8_16": 2}
 KNOWN_KINDS = ",".join(sorted(QS_BYTES))
 # Rows up to which the block kernel beats oneDNN's float32 one over a whole model's
 # weights (not cached): past it, the float32 matmul's better reuse of each weight wins
@@ -113,7 +113,7 @@ class WeightBlocks:
         worked out once (a decode step makes ~120 calls; the tensors never move)."""
         mins = None if self.min is None else self.min.data_ptr()
         n, k = self.shape
-        return _KIND_IDS[self.kind], n, k, self.qs.data_ptr(), self.scale.data_ptr(), mins
+        return KIND_IDS[self.kind], n, k, self.qs.data_ptr(), self.scale.data_ptr(), mins
 
     def __getstate__(self) -> dict:
         # Addresses are this process's: a copy or another process works them out anew.

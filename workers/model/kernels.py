@@ -7,7 +7,9 @@
 - `baton_rms_norm`: RMSNorm with the residual add, in one pass (norm.py);
 - `baton_rope`: rotary embeddings of a step's query and key heads (rope.py);
 - `baton_silu_mul`: SwiGLU's silu(gate) * up over the fused projection, and
-  `baton_gelu_tanh_mul`: GeGLU's gelu_tanh(gate) * up (mlp.py).
+  `baton_gelu_tanh_mul`: GeGLU's gelu_tanh(gate) * up (mlp.py);
+- `baton_decode_layers`: a Llama-family decode step through all layers, calling the
+  kernels above in one call (fused_decode.py).
 
 They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
 into Baton's cache (about three seconds, no torch headers or ninja). OpenMP resolves to
@@ -53,6 +55,7 @@ _PROTOTYPES = {
     "baton_rope": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int],
     "baton_silu_mul": [_ptr, _i64, _i64, _ptr, _int],
     "baton_gelu_tanh_mul": [_ptr, _i64, _i64, _ptr, _int],
+    "baton_decode_layers": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
 }
 
 _lock = threading.Lock()

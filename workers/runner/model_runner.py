@@ -50,8 +50,7 @@ class ModelRunner:
         )
         self.num_blocks = num_blocks
         self.groups = KVCacheGroups.of(self.model.config)
-        layers = self.model.attention_layers()
-        attn = layers[0]
+        attn = self.model.attention_layers()[0]
         # One tensor [buffers, k/v, kv heads, slots, head dim]: a block holds one KV-cache
         # group's layers, layer j of each group binding [j, 0] and [j, 1] (kv_groups.py).
         # A handoff's blocks then leave or enter every layer in one indexed copy, not one
@@ -69,9 +68,9 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
         )
-        for layer, (group, buffer) in zip(layers, self.groups.placement(), strict=True):
-            k, v = self.kv_cache[buffer]
-            layer.bind_cache(k, v, group)
+        self.model.bind_kv_cache(
+            [(*self.kv_cache[buffer], group) for group, buffer in self.groups.placement()]
+        )
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRunner:

@@ -9,6 +9,7 @@ from torch import nn
 
 from workers.model.attention import AttentionMetadata, PagedAttention
 from workers.model.config import ModelConfig
+from workers.model.fused_decode import FusedDecode
 from workers.model.parallel import (
     PackableLinear,
     ParallelLMHead,
@@ -52,6 +53,9 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Pure-decode steps in one C call, where the family and weights allow it (set
+        # when the caches are bound; None runs every step on the modules).
+        self.fused_decode: FusedDecode | None = None
 
     def pack_weights(self) -> None:
         """Re-lays out every projection for fast CPU matmuls (a no-op elsewhere), keeping
@@ -64,10 +68,20 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """Binds each attention layer's (k cache, v cache, KV-cache group), then builds
+        the fused decode step over them where it runs."""
+        for layer, (k, v, group) in zip(self.attention_layers(), caches, strict=True):
+            layer.bind_cache(k, v, group)
+        self.fused_decode = FusedDecode.build(self.model)
+
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] for the flattened step batch."""
+        fused = self.fused_decode
+        if fused is not None and fused.takes(meta, token_ids.shape[0]):
+            return fused(token_ids, positions, meta)
         return self.model(token_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
