@@ -10,7 +10,8 @@ with `ignore_eos`:
 - `ttft_1024_cached_s`: a 1,024-word prompt whose first 960 words an earlier request
   sent (a prefix cache's case), and `ttft_1024_cold_s`: the same length, fresh.
 Prompts are words that most tokenizers make one token each; every line carries the
-prompt tokens the server counted. Each round runs every scenario on every system in
+prompt tokens the server counted. They come from a fresh seed each run (printed in every
+line; --seed repeats one), since a server may keep an earlier run's prompts cached. Each round runs every scenario on every system in
 turn, so drift on a shared machine falls on all alike; the medians over --rounds are
 printed per system, then `ratio.<scenario>.<system>_over_<peer>` for the first system
 (Baton) over each other one (for TTFT lower is better, so a ratio under 1 is a win).
@@ -18,6 +19,7 @@ printed per system, then `ratio.<scenario>.<system>_over_<peer>` for the first s
     .venv/bin/python bench/peers.py [--system baton=http://localhost:8000/v1]
         [--system llama.cpp=http://localhost:8080/v1] [--system vllm=http://localhost:8001/v1]
         [--rounds 3] [--output-len 128] [--scenarios single,c8,c32,ttft512,ttft1024]
+        [--seed N]
 
 Servers are started beforehand: Baton by the README's first command; the peers as the
 speed issue says (neither is a dependency of Baton).
@@ -129,12 +131,19 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--timeout-s", type=float, default=600.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the prompts' seed; by default a fresh one, so that no server answers from a "
+        "cache of an earlier run's prompts (llama-server keeps them)",
+    )
     args = parser.parse_args()
+    seed = random.randrange(2**31) if args.seed is None else args.seed
     systems = args.system or [("baton", "http://localhost:8000/v1")]
     scenarios = [s for s in args.scenarios.split(",") if s]
     endpoints = {name: Endpoint(url, None, None, args.timeout_s) for name, url in systems}
-    prompts = Prompts(args.seed)
+    prompts = Prompts(seed)
     for name, url in systems:  # each server's first request is not timed
         endpoints[name].complete(BenchRequest("Warm up.", 4))
         log(f"{name}: {endpoints[name].model} at {url}")
@@ -153,7 +162,12 @@ def main() -> None:
                     tokens[(metric, name)] = prompt_tokens
                     log(f"round {round_ + 1} {metric} {name}: {value:.3f} {unit}")
 
-    context = {"rounds": args.rounds, "output_len": args.output_len, "commit": git_commit()}
+    context = {
+        "rounds": args.rounds,
+        "output_len": args.output_len,
+        "seed": seed,
+        "commit": git_commit(),
+    }
     for (metric, name), series in values.items():
         emit(
             metric,

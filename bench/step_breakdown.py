@@ -3,6 +3,9 @@
 
 Each part is timed by wrapping the functions that do it (a timer call each, about a
 microsecond, which the `python_and_rest` share includes):
+- `fused_layers`: a pure-decode step's layers in one C call (fused_decode.py), where
+  the model takes it; the parts below are then the prefill's, and --modules runs every
+  step on the modules to split a decode step into them;
 - `layer_matmuls`: the projections (block kernel up to 128 rows, oneDNN above);
 - `lm_head`: the output projection and any final soft-capping;
 - `attention`: paged attention, the KV write included;
@@ -15,7 +18,7 @@ Printed per scenario and part: milliseconds per step and share of the step, then
 step's total; --threads sets torch's threads as an engine of that many would have.
 
     .venv/bin/python bench/step_breakdown.py [--model smollm2-135m-instruct] [--threads 1]
-        [--steps 64]
+        [--steps 64] [--modules]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.model import mlp, norm
 from workers.model.attention import PagedAttention
 from workers.model.bundled_model import BUNDLED_MODELS, DEFAULT_MODEL
+from workers.model.fused_decode import FusedDecode
 from workers.model.model_cache import ensure_model
 from workers.model.models import llama
 from workers.model.models.causal_lm import CausalLM
@@ -62,6 +66,7 @@ def _timed(part: str, fn: Callable) -> Callable:
 
 
 def _instrument() -> None:
+    FusedDecode.__call__ = _timed("fused_layers", FusedDecode.__call__)
     PackableLinear.matmul = _timed("layer_matmuls", PackableLinear.matmul)
     CausalLM.compute_logits = _timed("lm_head", CausalLM.compute_logits)
     PagedAttention.forward = _timed("attention", PagedAttention.forward)
@@ -98,6 +103,9 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(BUNDLED_MODELS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument(
+        "--modules", action="store_true", help="run decode steps on the modules, not fused"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     _instrument()
@@ -105,6 +113,8 @@ def main() -> None:
     engine = LLMEngine(
         EngineConfig(model=str(model_dir), num_threads=args.threads, enable_prefix_caching=False)
     )
+    if args.modules:
+        engine.runner.model.fused_decode = None
     tok = engine.tokenizer
     _measure(engine, [topic_prompt(tok, TOPICS[0], 32)], True, 8)  # warm-up
     scenarios = {
@@ -112,7 +122,12 @@ def main() -> None:
         "decode_32": ([topic_prompt(tok, TOPICS[i % len(TOPICS)], 32) for i in range(32)], True),
         "prefill_512": ([topic_prompt(tok, TOPICS[1], 512)], False),
     }
-    context = {"model": args.model, "threads": args.threads, "commit": git_commit()}
+    context = {
+        "model": args.model,
+        "threads": args.threads,
+        "fused": engine.runner.model.fused_decode is not None,
+        "commit": git_commit(),
+    }
     for name, (prompts, decode) in scenarios.items():
         total, parts = _measure(engine, prompts, decode, args.steps)
         parts["python_and_rest"] = total - sum(parts.values())
