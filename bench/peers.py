@@ -11,10 +11,11 @@ with `ignore_eos`:
   sent (a prefix cache's case), and `ttft_1024_cold_s`: the same length, fresh.
 Prompts are words that most tokenizers make one token each; every line carries the
 prompt tokens the server counted. They come from a fresh seed each run (printed in every
-line; --seed repeats one), since a server may keep an earlier run's prompts cached. Each round runs every scenario on every system in
-turn, so drift on a shared machine falls on all alike; the medians over --rounds are
-printed per system, then `ratio.<scenario>.<system>_over_<peer>` for the first system
-(Baton) over each other one (for TTFT lower is better, so a ratio under 1 is a win).
+line; --seed repeats one), since a server may keep an earlier run's prompts cached.
+Each round runs every scenario on every system in turn, so drift on a shared machine
+falls on all alike; the medians over --rounds are printed per system, then
+`ratio.<scenario>.<system>_over_<peer>` for the first system (Baton) over each other
+one (for TTFT lower is better, so a ratio under 1 is a win).
 
     .venv/bin/python bench/peers.py [--system baton=http://localhost:8000/v1]
         [--system llama.cpp=http://localhost:8080/v1] [--system vllm=http://localhost:8001/v1]
