@@ -12,10 +12,11 @@ with `ignore_eos`:
 Prompts are words that most tokenizers make one token each; every line carries the
 prompt tokens the server counted. They come from a fresh seed each run (printed in every
 line; --seed repeats one), since a server may keep an earlier run's prompts cached.
-Each round runs every scenario on every system in turn, so drift on a shared machine
-falls on all alike; the medians over --rounds are printed per system, then
-`ratio.<scenario>.<system>_over_<peer>` for the first system (Baton) over each other
-one (for TTFT lower is better, so a ratio under 1 is a win).
+Each round runs every scenario on every system in turn, each turn once the machine is
+idle (`settle`), so drift on a shared machine falls on all alike; the medians over
+--rounds are printed per system, then `ratio.<scenario>.<system>_over_<peer>` for the
+first system (Baton) over each other one (for TTFT lower is better, so a ratio under 1
+is a win).
 
     .venv/bin/python bench/peers.py [--system baton=http://localhost:8000/v1]
         [--system llama.cpp=http://localhost:8080/v1] [--system vllm=http://localhost:8001/v1]
@@ -31,6 +32,8 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import time
+from pathlib import Path
 
 from common import emit, git_commit, log, median
 
@@ -48,6 +51,10 @@ SCENARIOS = {
 }
 COLD_1024 = ("ttft_1024_cold_s", "s", True)
 SINGLE_REQUESTS = 3  # per round: a median of three streams
+# Before each system's turn at a scenario the machine must be this idle (busy share of
+# all cores over a window), at most SETTLE_MAX_S: a server that keeps its cores busy
+# after its requests (vLLM's worker spins for about a second) must not slow the next.
+SETTLE_BUSY, SETTLE_WINDOW_S, SETTLE_MAX_S = 0.2, 0.3, 15.0
 
 
 class Prompts:
@@ -113,6 +120,34 @@ def run_scenario(
     raise ValueError(f"--scenarios: unknown scenario {name!r}; choose from {sorted(SCENARIOS)}")
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores from /proc/stat; None off Linux."""
+    stat = Path("/proc/stat")
+    if not stat.exists():
+        return None
+    fields = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def settle() -> float:
+    """Waits until the machine's cores are at most SETTLE_BUSY busy over a window (or
+    SETTLE_MAX_S passed); returns the seconds waited."""
+    start = time.monotonic()
+    before = _cpu_times()
+    while before is not None and time.monotonic() - start < SETTLE_MAX_S:
+        time.sleep(SETTLE_WINDOW_S)
+        after = _cpu_times()
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total and busy / total <= SETTLE_BUSY:
+            break
+        before = after
+    else:
+        if before is not None:
+            log(f"the machine stayed over {SETTLE_BUSY:.0%} busy for {SETTLE_MAX_S:.0f} s")
+    return time.monotonic() - start
+
+
 def _system(text: str) -> tuple[str, str]:
     name, sep, url = text.partition("=")
     if not sep or not name or not url:
@@ -155,6 +190,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for scenario in scenarios:
             for name, endpoint in endpoints.items():
+                settle()
                 for (metric, unit, lower), value, prompt_tokens in run_scenario(
                     scenario, endpoint, prompts, round_, args.output_len
                 ):

@@ -84,6 +84,19 @@ def test_the_batched_path_multiplies_by_exactly_the_dequantized_weights(kind):
     np.testing.assert_array_equal(picked.numpy(), reference[:, :24].T)
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
+@pytest.mark.parametrize("weight_rows", [1, 3, 4, 18, 50])
+def test_one_row_gives_each_row_of_a_batch_to_the_bit(kind, weight_rows):
+    # A row's sum is the same operations in the same order however many rows share the
+    # call: a sequence's logits do not depend on the batch it decodes in.
+    weight = np.random.default_rng(weight_rows).standard_normal((weight_rows, 96))
+    blocks, _ = gguf_blocks(weight.astype(np.float32), kind)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(weight_rows))
+    batched = blocks.matmul(x)
+    for row in range(3):
+        assert torch.equal(blocks.matmul(x[row : row + 1])[0], batched[row]), row
+
+
 @pytest.mark.parametrize("rows", [4, 20])
 def test_matmul_uses_the_callers_thread_count(rows, monkeypatch):
     weight = np.random.default_rng(1).standard_normal((256, 64)).astype(np.float32)

@@ -35,7 +35,7 @@ _MAX_HEAD_DIM, _MAX_GROUP = 256, 16
 class _Projection(ctypes.Structure):
     _fields_ = [
         *(("kind", _i64), ("n", _i64), ("k", _i64)),
-        *(("qs", _ptr), ("scale", _ptr), ("min", _ptr), ("bias", _ptr)),
+        *(("qs", _ptr), ("scale", _ptr), ("min", _ptr)),
     ]
 
 
@@ -259,15 +259,14 @@ def _layer(layer: nn.Module, shape: _Shape, held: list[torch.Tensor]) -> _Layer 
 def _projection(
     linear: PackableLinear, n: int, k: int, held: list[torch.Tensor]
 ) -> _Projection | None:
-    """A projection [n, k] by its blocks (and bias); None without blocks of that shape
-    or on a TP group of more than one rank."""
+    """A projection [n, k] by its blocks; None without blocks of that shape, with a bias
+    (no GGUF the import takes has one) or on a TP group of more than one rank."""
     blocks = linear.blocks
-    if blocks is None or blocks.shape != (n, k) or linear.tp.size != 1:
+    if blocks is None or blocks.shape != (n, k) or linear.bias is not None:
         return None
-    bias = linear.bias
-    if bias is not None and not _is_f32(bias, n):
+    if linear.tp.size != 1:
         return None
-    held += [t for t in (blocks.qs, blocks.scale, blocks.min, bias) if t is not None]
+    held += [t for t in (blocks.qs, blocks.scale, blocks.min) if t is not None]
     return _Projection(
         KIND_IDS[blocks.kind],
         n,
@@ -275,5 +274,4 @@ def _projection(
         blocks.qs.data_ptr(),
         blocks.scale.data_ptr(),
         None if blocks.min is None else blocks.min.data_ptr(),
-        None if bias is None else bias.data_ptr(),
     )

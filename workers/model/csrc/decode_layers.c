@@ -32,12 +32,11 @@ int baton_paged_decode_attention(const float *q, const float *k_cache, const flo
                                  int num_threads);
 int baton_silu_mul(const float *x, int64_t T, int64_t I, float *out, int num_threads);
 
-/* One projection y [T, n] = x [T, k] @ W^T (+ bias): W's blocks as block_matmul takes
- * them; bias NULL for none. */
+/* One projection y [T, n] = x [T, k] @ W^T: W's blocks as block_matmul takes them. */
 typedef struct {
   int64_t kind, n, k;
   const uint8_t *qs;
-  const float *scale, *min, *bias;
+  const float *scale, *min;
 } BatonProjection;
 
 /* One layer's weights and cache; its KV-cache group's view of the step is
@@ -64,12 +63,8 @@ typedef struct {
 
 static int project(const BatonProjection *p, const float *x, int64_t T, float *y,
                    int num_threads) {
-  const int status =
-      baton_block_matmul((int)p->kind, x, T, p->k, p->qs, p->scale, p->min, y, p->n, num_threads);
-  if (status != 0 || p->bias == NULL) return status;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < p->n; ++i) y[t * p->n + i] += p->bias[i];
-  return 0;
+  return baton_block_matmul((int)p->kind, x, T, p->k, p->qs, p->scale, p->min, y, p->n,
+                            num_threads);
 }
 
 /* x [T, hidden]: the step's embeddings in (overwritten); out [T, hidden]: the final
