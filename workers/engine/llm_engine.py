@@ -479,9 +479,9 @@ class LLMEngine:
         ("auto"): its share of the cores, except for a step of one token. One sequence's
         decode step is a chain of small matrix-vector products; split over two threads
         each takes tens of microseconds, and the serving path's per-token work on the
-        other core stalls the pair more than the split saves (bench/RESULTS.md: 0.93x
-        of one thread for a single stream through the service). With TP the ranks'
-        counts are fixed; the others still see this engine busy."""
+        other core stalls the pair more than the split saves (bench/RESULTS.md has the
+        measurements). With TP the ranks' counts are fixed; the others still see this
+        engine busy."""
         share = self.cores.threads()
         if self.config.tensor_parallel_size == 1:
             use_num_threads(share if num_tokens > 1 else 1)

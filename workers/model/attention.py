@@ -167,6 +167,11 @@ class PagedAttention(nn.Module):
         self.kv_group = 0  # which of a step's AttentionMetadata this layer reads
         self._kernel = None  # Baton's CPU kernels, for a float32 cache on the CPU
 
+    @property
+    def score_scale(self) -> float:
+        """What the scores are multiplied by: `scale`, or SDPA's default head_dim ** -0.5."""
+        return self.head_dim**-0.5 if self.scale is None else self.scale
+
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_group: int = 0) -> None:
         """Binds this layer's cache buffers, addressed through group `kv_group`'s tables."""
         self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, kv_group
@@ -259,7 +264,7 @@ class PagedAttention(nn.Module):
             self.num_kv_heads,
             self.head_dim,
             meta.block_size,
-            self.head_dim**-0.5 if self.scale is None else self.scale,
+            self.score_scale,
             self.sliding_window or 0,
             out.data_ptr(),
             torch.get_num_threads(),
@@ -313,7 +318,7 @@ class PagedAttention(nn.Module):
         if gqa:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        scale = self.head_dim**-0.5 if self.scale is None else self.scale
+        scale = self.score_scale
         scores = torch.tanh(q @ k.transpose(-1, -2) * scale / cap) * cap
         if causal:  # the diagonal top-left, as SDPA's is_causal
             n, m = scores.shape[-2:]

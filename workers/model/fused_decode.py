@@ -108,7 +108,7 @@ class FusedDecode:
             head_dim=attn.head_dim,
             intermediate=gate_up.shape[0] // 2,
             eps=model.norm.eps,
-            scale=_scale(attn.attn),
+            scale=attn.attn.score_scale,
         )
         if not _kernels_take(shape):
             return None
@@ -120,7 +120,7 @@ class FusedDecode:
         # One eps and one score scale for all: the table carries them once.
         if {n.eps for n in norms} != {model.norm.eps}:
             return None
-        if {_scale(layer.self_attn.attn) for layer in model.layers} != {_scale(attn.attn)}:
+        if {layer.self_attn.attn.score_scale for layer in model.layers} != {attn.attn.score_scale}:
             return None
         held: list[torch.Tensor] = []
         layers = [_layer(layer, shape, held) for layer in model.layers]
@@ -207,11 +207,6 @@ def _is_f32(t: torch.Tensor, size: int) -> bool:
         and t.is_contiguous()
         and tuple(t.shape) == (size,)
     )
-
-
-def _scale(attn: nn.Module) -> float:
-    """The score scale a layer's attention passes its kernel."""
-    return attn.head_dim**-0.5 if attn.scale is None else attn.scale
 
 
 def _layer(layer: nn.Module, shape: _Shape, held: list[torch.Tensor]) -> _Layer | None:
