@@ -130,6 +130,10 @@ class PoolConfig(_Frozen):
     # checked in one step while at most 4 sequences run (workers/engine/speculative.py;
     # greedy output unchanged). 0 turns it off. A prefill replica ignores it.
     speculative_tokens: int = Field(0, ge=0, le=16)
+    # One sequence's decode matmuls from GGUF blocks take their input rounded to 8 bits
+    # (EngineConfig.q8_activations): faster, and greedy output may part from the exact
+    # path's at a near-tie. False: the exact kernels.
+    q8_activations: bool = False
 
     @model_validator(mode="after")
     def _budget_per_step(self) -> PoolConfig:
@@ -319,4 +323,5 @@ class AppConfig(_Frozen):
                 if pool.speculative_tokens
                 else None
             ),
+            q8_activations=pool.q8_activations,
         )

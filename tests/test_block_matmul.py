@@ -168,3 +168,67 @@ def test_a_block_source_reads_row_and_block_aligned_column_slices(tmp_path):
             src.read(columns=(16, 64))
         with pytest.raises(ValueError, match="block kind"):
             BlockSource(f, "w", "f16")
+
+
+def _rounded_input(x: np.ndarray) -> np.ndarray:
+    """x [K] as q8_matmul.c rounds it, dequantized: per block of 32, d * rint(x * 127 /
+    max|x|) with d = max|x| / 127, in float32 as the kernel computes it."""
+    blocks = x.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv)
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(-1)
+
+
+def _q8_reference(blocks: WeightBlocks, x: np.ndarray) -> np.ndarray:
+    """What the q8 kernel computes, in float64: the weights' scaled part against the
+    rounded input, and (Q4_1) each block's minimum against the exact input's block sum."""
+    weight = blocks.dequantize().double().numpy()
+    if blocks.min is None:
+        return weight @ _rounded_input(x)
+    mins = np.repeat(blocks.min.double().numpy(), 32, axis=1)
+    return (weight - mins) @ _rounded_input(x) + mins @ x.astype(np.float64)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
+@pytest.mark.parametrize("columns", [32, 96, 576])
+def test_q8_activations_multiply_the_rounded_input(kind, columns):
+    rng = np.random.default_rng(columns)
+    weight = rng.standard_normal((70, columns)).astype(np.float32)
+    blocks, _ = gguf_blocks(weight, kind)
+    x = rng.standard_normal((1, columns)).astype(np.float32) * 3
+    x[0, :32] = 0  # a block of zeros: no scale to divide by
+    got = blocks.matmul(torch.from_numpy(x), q8_activations=True)[0].double().numpy()
+    np.testing.assert_allclose(got, _q8_reference(blocks, x[0]), rtol=1e-5, atol=1e-4)
+
+
+def test_q8_activations_take_the_full_int8_range():
+    """Weights of -128 and 127 against inputs at +-127 steps: the largest pair sums the
+    16-bit products must hold."""
+    rows, columns = 4, 64
+    qs = torch.tensor([-128, 127] * (rows * columns // 2), dtype=torch.int8)
+    blocks = WeightBlocks("q8_0", qs.view(torch.uint8).view(rows, columns), torch.ones(rows, 2))
+    x = np.tile(np.float32([-1.0, 1.0]), columns // 2)[None]
+    got = blocks.matmul(torch.from_numpy(x), q8_activations=True)
+    torch.testing.assert_close(got, blocks.matmul(torch.from_numpy(x)), rtol=0, atol=0)
+    assert got[0, 0].item() == 255 * columns / 2
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
+def test_q8_activations_stay_near_the_exact_product(kind):
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((256, 576)).astype(np.float32)
+    blocks, _ = gguf_blocks(weight, kind)
+    x = torch.from_numpy(rng.standard_normal((1, 576)).astype(np.float32))
+    exact, rounded = blocks.matmul(x), blocks.matmul(x, q8_activations=True)
+    assert not torch.equal(exact, rounded)
+    assert (rounded - exact).norm() / exact.norm() < 0.01
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_q8_activations_leave_batches_to_the_exact_kernel(kind):
+    weight = np.random.default_rng(4).standard_normal((48, 128)).astype(np.float32)
+    blocks, _ = gguf_blocks(weight, kind)
+    for rows in (2, 8, 20):
+        x = torch.randn(rows, 128)
+        assert torch.equal(blocks.matmul(x, q8_activations=True), blocks.matmul(x)), rows

@@ -173,10 +173,25 @@ def test_local_generation_with_speculation_writes_the_same_text(model_dir, capsy
     assert spec.stats().num_draft_tokens > 0, "the speculating run drafted nothing"
 
 
-@pytest.mark.parametrize("flag", [["--dtype", "bfloat16"], ["--speculative-tokens", "4"]])
+def test_local_generation_with_q8_activations_tells_a_model_without_blocks(
+    model_dir, capsys, caplog, built_engines
+):
+    args = ["generate", "--local", "--model", str(model_dir), "--max-tokens", "4", "Hello"]
+    with caplog.at_level("WARNING"):
+        assert main([*args, "--q8-activations"]) == 0
+    (engine,) = built_engines
+    assert engine.config.q8_activations
+    # The tiny test model is float32 safetensors: nothing to take 8-bit input.
+    assert "q8_activations has no effect" in caplog.text
+    assert capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flag", [["--dtype", "bfloat16"], ["--speculative-tokens", "4"], ["--q8-activations"]]
+)
 def test_engine_settings_need_local(flag, capsys):
     assert main(["generate", *flag, "Hello"]) == 2
-    assert "--speculative-tokens need --local" in capsys.readouterr().err
+    assert "--q8-activations need --local" in capsys.readouterr().err
 
 
 def test_model_help_names_every_bundled_model():

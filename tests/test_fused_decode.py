@@ -78,6 +78,36 @@ def test_fused_steps_give_the_modules_floats(gguf_model):
     assert torch.equal(fused.kv_cache, modules.kv_cache)
 
 
+def test_fused_steps_with_q8_activations_give_the_modules_floats(gguf_model):
+    fused = ModelRunner(gguf_model, 32, BLOCK, 128, q8_activations=True)
+    modules = ModelRunner(gguf_model, 32, BLOCK, 128, q8_activations=True)
+    exact = _runner(gguf_model)
+    assert fused.model.fused_decode is not None and fused.model.fused_decode._shape.q8_activations
+    modules.model.fused_decode = None
+    got, want = _run(fused, SCHEDULE), _run(modules, SCHEDULE)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max()}"
+    assert torch.equal(fused.kv_cache, modules.kv_cache)
+    # The first one-row step (the third) is the first to take the rounded input.
+    exact_logits = _run(exact, SCHEDULE)
+    differ = [not torch.equal(a, b) for a, b in zip(got, exact_logits, strict=True)]
+    assert differ[:3] == [False, False, True]
+
+
+def test_the_engine_option_reaches_every_projection(gguf_model):
+    from workers.engine.config import EngineConfig
+    from workers.engine.llm_engine import LLMEngine
+    from workers.model.parallel import PackableLinear
+
+    engine = LLMEngine(EngineConfig(model=str(gguf_model), q8_activations=True))
+    model = engine.runner.model
+    with_blocks = [
+        m for m in model.modules() if isinstance(m, PackableLinear) and m.blocks is not None
+    ]
+    assert with_blocks and all(m.q8_activations for m in with_blocks)
+    assert model.fused_decode is not None and model.fused_decode._shape.q8_activations
+
+
 def test_pure_decode_steps_run_without_the_modules(gguf_model):
     runner = _runner(gguf_model)
     seqs = _Sequences(PROMPTS)

@@ -42,3 +42,18 @@ def test_threads_apply_to_every_pool_and_are_checked(model_dir):
     )
     with pytest.raises(SystemExit):
         _build_parser().parse_args(["serve", "--threads", "many"])
+
+
+def test_q8_activations_turn_on_for_every_pool_and_stay_off_by_default(model_dir, tmp_path):
+    args = _build_parser().parse_args(["serve", "--model", str(model_dir), "--q8-activations"])
+    config = app_config_from_args(args)
+    assert all(getattr(config, pool).q8_activations for pool in config.pools())
+    engine = config.engine_config(config.decode, str(model_dir), "m")
+    assert engine.q8_activations
+    default = app_config_from_args(_build_parser().parse_args(["serve"]))
+    assert not any(getattr(default, pool).q8_activations for pool in default.pools())
+    # Without the flag, a file's setting stands.
+    path = tmp_path / "app.yaml"
+    path.write_text(f"model: {model_dir}\ndecode:\n  q8_activations: true\n")
+    config = app_config_from_args(_build_parser().parse_args(["serve", "--config", str(path)]))
+    assert config.decode.q8_activations and not config.prefill.q8_activations

@@ -91,6 +91,11 @@ def _build_parser() -> argparse.ArgumentParser:
         default=0,
         help="with --local: n-gram speculative decoding, up to N drafted tokens a step (0: off)",
     )
+    gen.add_argument(
+        "--q8-activations",
+        action="store_true",
+        help="with --local: one-sequence decode matmuls take their input rounded to 8 bits",
+    )
     add_sampling_args(gen)
 
     serve = sub.add_parser("serve", help="deploy the service (joins RAY_ADDRESS or starts Ray)")
@@ -118,6 +123,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="every pool's torch threads per replica or TP rank: a number, or auto (the "
         "default: the machine's cores, shared step by step among the replicas busy on it)",
+    )
+    serve.add_argument(
+        "--q8-activations",
+        action="store_true",
+        help="every pool's one-sequence decode matmuls take their input rounded to 8 bits: "
+        "faster on GGUF models, and greedy output may differ from the exact path's at a "
+        "near-tie (default off)",
     )
     serve.add_argument(
         "--http-port",

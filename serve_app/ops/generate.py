@@ -57,10 +57,10 @@ def _write(text: str) -> None:
 def generate(args: argparse.Namespace) -> int:
     messages = _messages(args)
     if not args.local:
-        if args.dtype is not None or args.speculative_tokens:
+        if args.dtype is not None or args.speculative_tokens or args.q8_activations:
             raise ValueError(
-                "--dtype and --speculative-tokens need --local: the service runs what it was "
-                "deployed with"
+                "--dtype, --speculative-tokens and --q8-activations need --local: the service "
+                "runs what it was deployed with"
             )
         return _generate_remote(args, messages)
     # Heavy imports wait until a command needs them, so `baton --help` is instant.
@@ -79,7 +79,12 @@ def generate(args: argparse.Namespace) -> int:
         SpeculativeConfig(num_tokens=args.speculative_tokens) if args.speculative_tokens else None
     )
     engine = LLMEngine(
-        EngineConfig(model=model, dtype=args.dtype or "auto", speculative=speculative)
+        EngineConfig(
+            model=model,
+            dtype=args.dtype or "auto",
+            speculative=speculative,
+            q8_activations=args.q8_activations,
+        )
     )
     if messages is not None:
         prompt_ids = engine.tokenizer.encode_chat(messages)

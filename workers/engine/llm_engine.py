@@ -97,6 +97,7 @@ class LLMEngine:
             self.max_model_len,
             dtype,
             config.resolved_device(),
+            config.q8_activations,
         )
         self.runner: ModelRunner | TPWorkerGroup
         if tp == 1:

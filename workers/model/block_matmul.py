@@ -119,8 +119,9 @@ class WeightBlocks:
         # Addresses are this process's: a copy or another process works them out anew.
         return {k: v for k, v in self.__dict__.items() if k != "_kernel_args"}
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 @ weight.T -> [M, N]."""
+    def matmul(self, x: torch.Tensor, q8_activations: bool = False) -> torch.Tensor:
+        """x [M, K] float32 @ weight.T -> [M, N]; with `q8_activations`, x's blocks
+        rounded to 8 bits first (csrc/q8_matmul.c) for batches of up to 8 rows."""
         lib = kernels.library()
         if lib is None:
             raise RuntimeError("Baton's CPU kernels are not built (see kernels.library)")
@@ -129,7 +130,8 @@ class WeightBlocks:
             raise RuntimeError(f"block matmul takes float32 [M, {k}], got {x.shape}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        status = lib.baton_block_matmul(
+        fn = lib.baton_block_matmul_q8 if q8_activations else lib.baton_block_matmul
+        status = fn(
             kind,
             x.data_ptr(),
             x.shape[0],

@@ -6,6 +6,9 @@ converting its arguments. `csrc/decode_layers.c` runs the same kernels with the 
 arguments in one call, so its floats are the module path's, bit for bit; the layer
 table it walks (weights, norms, caches) is built here once, when the caches are bound.
 
+With 8-bit activations (`EngineConfig.q8_activations`) every projection calls
+`csrc/q8_matmul.c` instead, as the modules then do.
+
 It runs where every one of those kernels would: a `LlamaModel` of the Llama family's
 own layers (not Qwen3's, Gemma's or a mixture of experts), on one rank, float32 on the
 CPU, with every projection in GGUF blocks (models converted from a GGUF, the bundled
@@ -57,6 +60,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         *(("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64)),
         *(("intermediate", _i64), ("eps", _f32), ("scale", _f32)),
+        ("q8_activations", _i64),
     ]
 
 
@@ -109,6 +113,7 @@ class FusedDecode:
             intermediate=gate_up.shape[0] // 2,
             eps=model.norm.eps,
             scale=attn.attn.score_scale,
+            q8_activations=attn.qkv_proj.q8_activations,
         )
         if not _kernels_take(shape):
             return None
@@ -230,11 +235,12 @@ def _layer(layer: nn.Module, shape: _Shape, held: list[torch.Tensor]) -> _Layer 
         return None
     q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     hidden, intermediate = shape.hidden, shape.intermediate
+    q8 = bool(shape.q8_activations)
     projections = [
-        _projection(attn.qkv_proj, q_width + 2 * kv_width, hidden, held),
-        _projection(attn.o_proj, hidden, q_width, held),
-        _projection(mlp.gate_up_proj, 2 * intermediate, hidden, held),
-        _projection(mlp.down_proj, hidden, intermediate, held),
+        _projection(attn.qkv_proj, q_width + 2 * kv_width, hidden, q8, held),
+        _projection(attn.o_proj, hidden, q_width, q8, held),
+        _projection(mlp.gate_up_proj, 2 * intermediate, hidden, q8, held),
+        _projection(mlp.down_proj, hidden, intermediate, q8, held),
     ]
     if any(p is None for p in projections):
         return None
@@ -252,12 +258,15 @@ def _layer(layer: nn.Module, shape: _Shape, held: list[torch.Tensor]) -> _Layer 
 
 
 def _projection(
-    linear: PackableLinear, n: int, k: int, held: list[torch.Tensor]
+    linear: PackableLinear, n: int, k: int, q8: bool, held: list[torch.Tensor]
 ) -> _Projection | None:
     """A projection [n, k] by its blocks; None without blocks of that shape, with a bias
-    (no GGUF the import takes has one) or on a TP group of more than one rank."""
+    (no GGUF the import takes has one), on a TP group of more than one rank, or taking
+    8-bit activations where the table's `q8` says otherwise (one setting for all)."""
     blocks = linear.blocks
     if blocks is None or blocks.shape != (n, k) or linear.bias is not None:
+        return None
+    if linear.q8_activations != q8:
         return None
     if linear.tp.size != 1:
         return None

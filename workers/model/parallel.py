@@ -123,6 +123,9 @@ class PackableLinear(nn.Module):
     # The GGUF's own blocks of this weight (block_matmul.py), for batches of up to
     # `MAX_ROWS` rows; they replace the transposed one-row copy.
     blocks: WeightBlocks | None = None
+    # Whether `blocks` take their input rounded to 8 bits per block (the q8-activations
+    # option, block_matmul.py); the exact kernel when False.
+    q8_activations: bool = False
 
     def pack(self) -> None:
         if self.blocks is not None and kernels.library() is None:
@@ -142,7 +145,10 @@ class PackableLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.blocks is not None and x.shape[0] <= MAX_ROWS:
-            out = self.blocks.matmul(x)
+            if self.q8_activations:
+                out = self.blocks.matmul(x, q8_activations=True)
+            else:
+                out = self.blocks.matmul(x)
             return out if bias is None else out + bias
         if self.packed is None:
             return F.linear(x, self.weight, bias)

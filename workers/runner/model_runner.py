@@ -7,6 +7,7 @@ engine's process or in each rank of a tensor-parallel worker group.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ from workers.model.loader import load_model
 from workers.model.parallel import TPGroup
 from workers.runner.runner_spec import RunnerSpec
 from workers.runner.step_io import PromptLogprobRows, SeqChunk, StepInput, StepOutput
+
+logger = logging.getLogger(__name__)
 
 # Prompt positions whose logits are computed at once, for prompt logprobs: 100 MB of
 # float32 logits and their log-softmax for SmolLM2's vocabulary, 250 MB for Llama 3's
@@ -37,12 +40,19 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         tp: TPGroup | None = None,
+        q8_activations: bool = False,
     ):
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.model = load_model(model_dir, tp, max_model_len, dtype, self.device)
+        if q8_activations and not self.model.use_q8_activations():
+            logger.warning(
+                "q8_activations has no effect on %s: it has no GGUF weight blocks on this "
+                "device (a model converted from a GGUF, on a CPU with AVX2, has them)",
+                model_dir,
+            )
         # Which share of the KV heads this rank holds, of how many: a handoff moves one
         # part per share (ranks replicating a head hold the same share).
         self.kv_rank, self.kv_size = (tp or TPGroup.single()).kv_shard(
@@ -82,6 +92,7 @@ class ModelRunner:
             spec.dtype,
             spec.device,
             tp,
+            spec.q8_activations,
         )
 
     @torch.inference_mode()

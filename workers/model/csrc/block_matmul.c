@@ -81,12 +81,9 @@ static inline __attribute__((always_inline)) void tile(
       }
     }
     for (int r = 0; r < R; ++r) {
-      float out = hsum(acc[r]);
-      if (kind == Q4_1) {
-        const float *mins = min + n * nb, *sums = block_sums + (m0 + r) * nb;
-        for (int64_t b = 0; b < nb; ++b) out += mins[b] * sums[b];
-      }
-      y[(m0 + r) * N + n] = out;
+      if (kind == Q4_1)
+        acc[r] = _mm256_add_ps(acc[r], min_dot(min + n * nb, block_sums + (m0 + r) * nb, nb));
+      y[(m0 + r) * N + n] = hsum(acc[r]);
     }
   }
 }

@@ -18,6 +18,9 @@
 int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                        const float *scale, const float *min, float *y, int64_t N,
                        int num_threads);
+int baton_block_matmul_q8(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                          const float *scale, const float *min, float *y, int64_t N,
+                          int num_threads);
 int baton_rms_norm(const float *x, const float *residual, const float *weight, int64_t T,
                    int64_t D, float eps, float *out, float *summed, int num_threads);
 int baton_rope(const float *x, int64_t row_stride, const float *cos, const float *sin,
@@ -55,16 +58,18 @@ typedef struct {
   int64_t max_blocks;
 } BatonDecodeGroup;
 
-/* The model's shape and the attention's constants. */
+/* The model's shape, the attention's constants, and whether the projections take
+ * their input rounded to 8 bits (q8_matmul.c) or exact. */
 typedef struct {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
+  int64_t q8_activations;
 } BatonDecodeShape;
 
-static int project(const BatonProjection *p, const float *x, int64_t T, float *y,
-                   int num_threads) {
-  return baton_block_matmul((int)p->kind, x, T, p->k, p->qs, p->scale, p->min, y, p->n,
-                            num_threads);
+static int project(const BatonDecodeShape *shape, const BatonProjection *p, const float *x,
+                   int64_t T, float *y, int num_threads) {
+  return (shape->q8_activations ? baton_block_matmul_q8 : baton_block_matmul)(
+      (int)p->kind, x, T, p->k, p->qs, p->scale, p->min, y, p->n, num_threads);
 }
 
 /* x [T, hidden]: the step's embeddings in (overwritten); out [T, hidden]: the final
@@ -95,7 +100,7 @@ int baton_decode_layers(const BatonDecodeShape *shape, const BatonDecodeLayer *l
       status = baton_rms_norm(x, residual, layer->input_norm, T, H, shape->eps, h, residual,
                               num_threads);
     }
-    if (status == 0) status = project(&layer->qkv, h, T, qkv, num_threads);
+    if (status == 0) status = project(shape, &layer->qkv, h, T, qkv, num_threads);
     if (status == 0)
       status = baton_rope(qkv, qkv_width, cos, sin, T, shape->heads, D, q, num_threads);
     if (status == 0)
@@ -110,13 +115,13 @@ int baton_decode_layers(const BatonDecodeShape *shape, const BatonDecodeLayer *l
           q, layer->k_cache, layer->v_cache, layer->num_slots, group->tables, group->max_blocks,
           group->lengths, T, (int)shape->heads, (int)shape->kv_heads, (int)D,
           (int)block_size, shape->scale, layer->window, attn, num_threads);
-    if (status == 0) status = project(&layer->o, attn, T, x, num_threads);
+    if (status == 0) status = project(shape, &layer->o, attn, T, x, num_threads);
     if (status == 0)
       status = baton_rms_norm(x, residual, layer->post_attention_norm, T, H, shape->eps, h,
                               residual, num_threads);
-    if (status == 0) status = project(&layer->gate_up, h, T, gate_up, num_threads);
+    if (status == 0) status = project(shape, &layer->gate_up, h, T, gate_up, num_threads);
     if (status == 0) status = baton_silu_mul(gate_up, T, I, act, num_threads);
-    if (status == 0) status = project(&layer->down, act, T, x, num_threads);
+    if (status == 0) status = project(shape, &layer->down, act, T, x, num_threads);
   }
   if (status == 0)
     status = baton_rms_norm(x, residual, final_norm, T, H, shape->eps, out, residual, num_threads);

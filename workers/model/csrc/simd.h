@@ -12,6 +12,17 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+/* sum_i mins[i] * sums[i] over n blocks (Q4_1's minimum term), spread over eight lanes. */
+static inline __m256 min_dot(const float *mins, const float *sums, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + i), _mm256_loadu_ps(sums + i), acc);
+  float rest = 0.0f;
+  for (; i < n; ++i) rest += mins[i] * sums[i];
+  return _mm256_add_ps(acc, _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
+}
+
 /* e^x for each lane, within 2 ulp of expf for x in [-87, 88] (lanes below give ~0):
  * x = n ln2 + r with |r| <= ln2 / 2, e^r from a degree-6 polynomial (Cephes' expf
  * coefficients), times 2^n put straight into the exponent bits. */

@@ -65,6 +65,17 @@ class CausalLM(nn.Module):
             module.pack()
         keep_faster_single_row_copy(layers)
 
+    def use_q8_activations(self) -> bool:
+        """Turns on 8-bit activations for every projection in GGUF blocks (block_matmul.py),
+        before the caches are bound (the fused decode step takes it from them). Whether
+        any projection has blocks: a model without runs as before."""
+        layers = [
+            m for m in self.modules() if isinstance(m, PackableLinear) and m.blocks is not None
+        ]
+        for module in layers:
+            module.q8_activations = True
+        return bool(layers)
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
