@@ -45,6 +45,7 @@ from workers.engine import (
     FinishReason,
     RequestOutput,
     kv_cache_bytes_per_block,
+    yield_to_engine_threads,
 )
 from workers.model import model_identity
 
@@ -60,6 +61,9 @@ class EngineServer:
         if (role == "decode") != (prefill_pool is not None):
             raise ValueError("a decode replica needs the prefill pool's handle; others none")
         self.role = role
+        # Before the engine's thread starts: it alone stays in the normal policy, so the
+        # serving threads its tokens wake do not preempt it (workers/engine/thread_policy.py).
+        yield_to_engine_threads()
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.app_name = context.app_name

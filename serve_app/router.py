@@ -66,6 +66,7 @@ from workers.engine import (
     InvalidRequestError,
     RequestOutput,
     SamplingParams,
+    yield_to_engine_threads,
 )
 from workers.model import model_identity
 
@@ -128,6 +129,9 @@ class Router(HealthService):
         pool: DeploymentHandle,
     ):
         """`pool` streams outputs: the decode pool, or the aggregated one."""
+        # Its threads wake for every token: they must not preempt an engine thread on
+        # the same machine (workers/engine/thread_policy.py).
+        yield_to_engine_threads()
         # First: a router told to check keys it cannot read fails before any other work.
         self.api_keys = None if config.api_key_file is None else ApiKeys(config.api_key_file)
         self.config = config

@@ -31,6 +31,7 @@ from workers.engine.sampling_params import (
 from workers.engine.scheduler import SchedulerConfig
 from workers.engine.sequence import FinishReason
 from workers.engine.structured_output import StructuredOutput
+from workers.engine.thread_policy import yield_to_engine_threads
 from workers.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     EngineDeadError,
@@ -79,4 +80,5 @@ __all__ = [
     "merge_outputs",
     "root_hash",
     "stops_on_token",
+    "yield_to_engine_threads",
 ]

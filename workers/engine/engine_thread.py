@@ -28,6 +28,7 @@ from workers.engine.commands import (
 )
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import EngineStats, RequestOutput
+from workers.engine.thread_policy import run_as_engine_thread
 from workers.errors import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class EngineThread:
 
     def _run(self) -> None:
         try:
+            run_as_engine_thread()
             self.engine.use_thread()
             while True:
                 # The engine's work only changes on this thread, so one look before
