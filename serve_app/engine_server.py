@@ -102,6 +102,7 @@ class EngineServer:
         self.engine_setup = {
             "dtype": engine_config.resolved_dtype_name(),
             "tensor_parallel_size": engine_config.tensor_parallel_size,
+            "q8_activations": engine_config.q8_activations,
         }
         logger.info("%s replica %s ready (%s)", role, self.replica_id, model_dir)
 
@@ -267,8 +268,8 @@ class EngineServer:
             raise RuntimeError(f"{self.role} replica {self.replica_id}: its engine has failed")
 
     def stats(self) -> dict:
-        """This replica's dtype, TP degree, engine stats and handoff totals, for `baton
-        status` and tests."""
+        """This replica's dtype, TP degree, activation rounding, engine stats and handoff
+        totals, for `baton status` and tests."""
         return {
             "app": self.app_name,
             "role": self.role,

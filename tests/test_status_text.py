@@ -73,6 +73,23 @@ def test_a_replica_of_an_older_release_and_one_without_gpus_are_shown_as_far_as_
     assert lines[5].strip() == "GPUs: none (no NVIDIA GPU here)"
 
 
+def test_a_replica_on_8_bit_activations_says_so():
+    replica = {
+        "role": "decode",
+        "replica_id": "q",
+        "dtype": "float32",
+        "tensor_parallel_size": 1,
+        "q8_activations": True,
+        "engine": _engine(free=64),
+        "handoff": {"num_handoffs": 0},
+    }
+    assert status_lines(_report(replica))[2].split()[:6] == [
+        *("decode", "q", "float32", "tp1", "q8-activations", "running"),
+    ]
+    exact = status_lines(_report({**replica, "q8_activations": False}))[2]
+    assert "q8" not in exact
+
+
 def test_why_an_application_or_deployment_is_not_running_is_shown_and_imports_wait():
     report = _report(
         {

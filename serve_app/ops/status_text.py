@@ -44,7 +44,8 @@ def status_lines(report: dict) -> list[str]:
         lines.append(
             # .get: a replica of an older release, mid rolling upgrade, posts neither.
             f"  {r['role']:<10} {r['replica_id']:<10} {r.get('dtype', '?')} "
-            f"tp{r.get('tensor_parallel_size', '?')}  "
+            f"tp{r.get('tensor_parallel_size', '?')}"
+            f"{' q8-activations' if r.get('q8_activations') else ''}  "
             f"running {e['num_running']:>3} "
             f"waiting {waiting:>3}  KV {used}/{e['num_total_blocks']} blocks  "
             f"prefix hit rate {e['prefix_cache_hit_rate']:.2f}  "

@@ -99,10 +99,10 @@ class EngineConfig:
     detokenize: bool = True
     # None: one token per sequence and step.
     speculative: SpeculativeConfig | None = None
-    # Decode matmuls of up to 8 rows from a GGUF's weight blocks take their input rounded
-    # to 8 bits per block of 32 and multiply in integers (block_matmul.py): a faster
-    # decode of few sequences, whose greedy output can part from the exact path's at a
-    # near-tie (bench/RESULTS.md measures how often). False: the exact kernels.
+    # One sequence's decode matmuls from a GGUF's weight blocks take their input rounded
+    # to 8 bits per block of 32 and multiply in integers (csrc/q8_matmul.c): a faster
+    # single stream, whose greedy output can part from the exact path's at a near-tie
+    # (bench/q8_agreement.py measures how often). False: the exact kernels.
     q8_activations: bool = False
 
     def __post_init__(self) -> None:

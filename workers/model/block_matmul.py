@@ -10,7 +10,9 @@ weights up to rounding order (the blocks *are* the model: the float32 copy was m
 from them). Batches of over 8 rows are compute-bound; the kernel then dequantizes a
 few weight rows at a time into cache and runs an outer-product micro-kernel over all
 rows at once, which beats oneDNN's float32 GEMM there. Prefill-sized batches stay with
-oneDNN (`MAX_ROWS`).
+oneDNN (`MAX_ROWS`). With the q8-activations option (`EngineConfig.q8_activations`) a
+one-row call first rounds x to 8 bits per block and multiplies in integers
+(`csrc/q8_matmul.c`): faster, and no longer the float32 arithmetic.
 
 The kernel is one of Baton's CPU kernels (kernels.py); without a compiler or AVX2 the
 model runs on its float32 weights alone, as every non-GGUF model does.
@@ -120,8 +122,8 @@ class WeightBlocks:
         return {k: v for k, v in self.__dict__.items() if k != "_kernel_args"}
 
     def matmul(self, x: torch.Tensor, q8_activations: bool = False) -> torch.Tensor:
-        """x [M, K] float32 @ weight.T -> [M, N]; with `q8_activations`, x's blocks
-        rounded to 8 bits first (csrc/q8_matmul.c) for batches of up to 8 rows."""
+        """x [M, K] float32 @ weight.T -> [M, N]; with `q8_activations` a single row's
+        blocks are rounded to 8 bits first (csrc/q8_matmul.c; more rows stay exact)."""
         lib = kernels.library()
         if lib is None:
             raise RuntimeError("Baton's CPU kernels are not built (see kernels.library)")
