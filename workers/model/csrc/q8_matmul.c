@@ -6,7 +6,7 @@
  * 32 unsigned bytes by 32 signed ones into 16-bit pair sums, madd widens them to eight
  * int32 sums, and one float multiply-add scales those by the weight's scale times d.
  * That is about half the instructions of widening every weight to float32, which is
- * what bounds a decode step of a few sequences. Q4_1's minimum term, min_b * sum(x_b),
+ * what bounds one sequence's decode step. Q4_1's minimum term, min_b * sum(x_b),
  * takes x's exact float sums. Q8_0 and Q8_16 weights are signed: their magnitudes meet
  * x carrying the weights' signs (maddubs wants one unsigned operand).
  *
