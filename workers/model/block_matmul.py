@@ -41,7 +41,7 @@ BLOCK_KINDS_KEY = "block_kinds"
 QS_BYTES = {"q4_1": 16, "q8_0": 32, "q8_16": 32}
 # Scales per block of 32: q8_16 has one per 16 weights.
 SCALES_PER_BLOCK = {"q4_1": 1, "q8_0": 1, "q8_16": 2}
-KIND_IDS = {"q4_1": 0, "q8_0": 1, "q8_16": 2}
+KIND_IDS = {"q4_1": 0, "q8_0": 1, "q8_16": 2}  # csrc/block_kinds.h's enum
 KNOWN_KINDS = ",".join(sorted(QS_BYTES))
 # Rows up to which the block kernel beats oneDNN's float32 one over a whole model's
 # weights (not cached): past it, the float32 matmul's better reuse of each weight wins

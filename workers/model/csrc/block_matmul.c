@@ -17,13 +17,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "block_kinds.h"
 #include "simd.h"
 
-#define BLOCK 32
 #define MAX_ROWS 8    /* rows of x per pass: 4 weight vectors + 8 accumulators fit in 16 ymm */
-#define N_CHUNK 16    /* weight rows one thread takes at a time; they stay in L1 across passes */
-
-enum { Q4_1 = 0, Q8_0 = 1, Q8_16 = 2 };
 
 static inline __attribute__((always_inline)) void unpack(int kind, const uint8_t *p, __m256 q[4]) {
   if (kind == Q4_1) {

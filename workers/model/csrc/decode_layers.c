@@ -15,12 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
-                       const float *scale, const float *min, float *y, int64_t N,
-                       int num_threads);
-int baton_block_matmul_q8(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
-                          const float *scale, const float *min, float *y, int64_t N,
-                          int num_threads);
+#include "block_kinds.h"
+
 int baton_rms_norm(const float *x, const float *residual, const float *weight, int64_t T,
                    int64_t D, float eps, float *out, float *summed, int num_threads);
 int baton_rope(const float *x, int64_t row_stride, const float *cos, const float *sin,

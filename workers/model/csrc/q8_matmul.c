@@ -20,16 +20,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "block_kinds.h"
 #include "simd.h"
-
-#define BLOCK 32
-#define N_CHUNK 16   /* weight rows one thread takes at a time */
-
-enum { Q4_1 = 0, Q8_0 = 1, Q8_16 = 2 };
-
-int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
-                       const float *scale, const float *min, float *y, int64_t N,
-                       int num_threads);
 
 /* n blocks of x as q (32 int8 each) and d; sums (may be NULL): each block's float sum,
  * added as block_matmul.c adds it. */

@@ -1,0 +1,23 @@
+/* The GGUF weight blocks block_matmul.c and q8_matmul.c read (included, not compiled on
+ * its own): 32 weights a block along K, in one of three kinds whose ids are
+ * block_matmul.py's KIND_IDS. */
+#ifndef BATON_BLOCK_KINDS_H
+#define BATON_BLOCK_KINDS_H
+
+#include <stdint.h>
+
+#define BLOCK 32
+#define N_CHUNK 16 /* weight rows one thread takes at a time; they stay in L1 across passes */
+
+enum { Q4_1 = 0, Q8_0 = 1, Q8_16 = 2 };
+
+/* y[M, N] = x[M, K] @ W^T, exact (block_matmul.c) and with x rounded to 8 bits for one
+ * row (q8_matmul.c). */
+int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                       const float *scale, const float *min, float *y, int64_t N,
+                       int num_threads);
+int baton_block_matmul_q8(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                          const float *scale, const float *min, float *y, int64_t N,
+                          int num_threads);
+
+#endif
