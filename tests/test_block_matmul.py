@@ -125,6 +125,29 @@ def test_matmul_uses_the_callers_thread_count(rows, monkeypatch):
     torch.testing.assert_close(outs[0], x @ torch.from_numpy(reference).t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("q8_activations", [False, True])
+def test_threads_taking_several_chunks_a_grab_cover_every_weight_row(q8_activations):
+    # 1,000 weight rows: 63 chunks of 16, the last partial; two threads take three
+    # chunks a grab (block_kinds.h), so grabs end mid-weight and past its last row.
+    weight = np.random.default_rng(4).standard_normal((1000, 64)).astype(np.float32)
+    blocks, _ = gguf_blocks(weight, "q4_1")
+    x = torch.randn(1, 64)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(blocks.matmul(x, q8_activations=q8_activations))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    if q8_activations:
+        expected = torch.from_numpy(_q8_reference(blocks, x[0].numpy())).float()[None]
+    else:
+        expected = x @ blocks.dequantize().t()
+    torch.testing.assert_close(outs[1], expected, rtol=1e-5, atol=1e-4)
+
+
 def test_padded_rows_are_zero_weights():
     weight = np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32)
     blocks, _ = gguf_blocks(weight, "q8_0")

@@ -292,7 +292,8 @@ int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uin
     }
   }
   const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)  /* as above */
+#pragma omp parallel for schedule(dynamic, chunks_per_grab(chunks, num_threads)) \
+    num_threads(num_threads)  /* dynamic: as above */
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
     if (kind == Q4_1)

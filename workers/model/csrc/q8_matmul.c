@@ -147,7 +147,8 @@ int baton_block_matmul_q8(int kind, const float *x, int64_t M, int64_t K, const 
   float *xs = xd + nb;
   quantize_blocks(x, nb, xq, xd, kind == Q4_1 ? xs : NULL);
   const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, chunks_per_grab(chunks, num_threads)) \
+    num_threads(num_threads)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
     if (kind == Q4_1)
