@@ -239,7 +239,7 @@ class LLMEngine:
             self.kv.flush_events()
             return outputs
         if self.cores is not None:
-            self._take_cores(sum(s.num_new_tokens for s in scheduled))
+            self._take_cores()
         sampling = [s for s in scheduled if s.samples]
         # The grammars' masks are computed while the model runs.
         masks = self.token_masks.start([(s.seq.grammar, s.draft_token_ids) for s in sampling])
@@ -475,17 +475,15 @@ class LLMEngine:
             return
         use_num_threads(self.cores.cores if self.cores else self.config.num_threads)
 
-    def _take_cores(self, num_tokens: int) -> None:
+    def _take_cores(self) -> None:
         """Marks this engine busy in the machine's table and sets the step's threads
-        ("auto"): its share of the cores, except for a step of one token. One sequence's
-        decode step is a chain of small matrix-vector products; split over two threads
-        each takes tens of microseconds, and the serving path's per-token work on the
-        other core stalls the pair more than the split saves (bench/RESULTS.md has the
-        measurements). With TP the ranks' counts are fixed; the others still see this
-        engine busy."""
+        ("auto"): its share of the cores, a one-sequence decode step's included (its
+        matrix-vector products split over the threads in a few grabs each; bench/RESULTS.md
+        has the measurements). With TP the ranks' counts are fixed; the others still see
+        this engine busy."""
         share = self.cores.threads()
         if self.config.tensor_parallel_size == 1:
-            use_num_threads(share if num_tokens > 1 else 1)
+            use_num_threads(share)
 
     def _rank_threads(self) -> int:
         """Each TP rank's torch threads: "auto" splits the machine's cores evenly."""
