@@ -129,6 +129,11 @@ def test_pure_decode_steps_run_without_the_modules(gguf_model):
 def test_a_model_without_blocks_runs_on_the_modules(tmp_path):
     runner = _runner(make_tiny_model(tmp_path))
     assert runner.model.fused_decode is None
+    assert runner.small_step_rows == 0  # its matmuls are torch's, at torch's threads
+
+
+def test_small_steps_of_a_model_in_blocks_run_on_the_kernels(gguf_model):
+    assert _runner(gguf_model).small_step_rows == kernels.team_max_rows() == 8
 
 
 def test_a_table_out_of_range_is_refused(gguf_model):

@@ -15,7 +15,13 @@ import torch
 from engine_helpers import _engine
 
 from workers.engine.async_engine import AsyncEngine
-from workers.torch_threads import one_thread, run_in_passing_thread, use_num_threads
+from workers.torch_threads import (
+    kernel_threads,
+    kernels_apart,
+    one_thread,
+    run_in_passing_thread,
+    use_num_threads,
+)
 
 
 def test_the_engine_thread_computes_at_the_engines_thread_count(model_dir):
@@ -79,3 +85,15 @@ def test_one_thread_runs_the_block_on_one_thread_and_restores_the_count():
         return seen, torch.get_num_threads()
 
     assert run_in_passing_thread(on_a_thread_of_its_own) == ([1], 2)
+
+
+def test_kernels_apart_leaves_torch_one_thread_and_the_kernels_the_count():
+    def on_a_thread():
+        use_num_threads(2)
+        before = kernel_threads()
+        with kernels_apart():
+            inside = (kernel_threads(), torch.get_num_threads())
+        return before, inside, (kernel_threads(), torch.get_num_threads())
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(on_a_thread).result() == (2, (2, 1), (2, 2))

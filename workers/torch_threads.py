@@ -15,6 +15,12 @@ step, and wake through the OS scheduler each time, which slows a batched step
 markedly on a machine shared with Serve's serving path. So work that would leave
 workers behind on a thread that will not step the engine runs in
 `run_in_passing_thread`.
+
+Baton's own kernels take their thread count from here (`kernel_threads`): torch's, but
+in a step of a few rows, which runs its matmuls and attention on the kernels' work team
+(csrc/work_team.c) and its torch ops (sampling over the vocabulary, say) on one thread
+(`kernels_apart`), so that no OpenMP worker spins beside the team's threads after such
+an op.
 """
 
 from __future__ import annotations
@@ -37,6 +43,27 @@ def use_num_threads(num_threads: int) -> None:
     if getattr(_local, "num_threads", None) != num_threads:
         torch.set_num_threads(num_threads)
         _local.num_threads = num_threads
+
+
+def kernel_threads() -> int:
+    """The calling thread's thread count for Baton's kernels: torch's, but in a
+    `kernels_apart` block."""
+    return getattr(_local, "kernel_threads", None) or torch.get_num_threads()
+
+
+@contextmanager
+def kernels_apart() -> Iterator[None]:
+    """In the block, Baton's kernels keep the calling thread's count and torch's ops run
+    on one thread; both are as before after it. Setting torch's count costs well under a
+    microsecond."""
+    kernels, before = kernel_threads(), torch.get_num_threads()
+    _local.kernel_threads = kernels
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        _local.kernel_threads = None
 
 
 @contextmanager

@@ -20,6 +20,7 @@ Not thread-safe: one thread steps it (`AsyncEngine`'s engine thread, in a server
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ from workers.runner.model_runner import ModelRunner
 from workers.runner.runner_spec import RunnerSpec
 from workers.runner.step_io import SeqChunk, StepInput
 from workers.runner.tp_group import TPWorkerGroup
-from workers.torch_threads import use_num_threads
+from workers.torch_threads import kernels_apart, use_num_threads
 
 
 class LLMEngine:
@@ -240,10 +241,22 @@ class LLMEngine:
             return outputs
         if self.cores is not None:
             self._take_cores()
+        chunks = [self._chunk(s) for s in scheduled]
+        # A step of a few rows runs in Baton's kernels on their work team, torch's ops on
+        # one thread beside it (workers/torch_threads.py).
+        small = sum(len(c.token_ids) for c in chunks) <= self.runner.small_step_rows
+        with kernels_apart() if small else nullcontext():
+            return outputs + self._run_step(scheduled, chunks)
+
+    def _run_step(
+        self, scheduled: list[ScheduledSequence], chunks: list[SeqChunk]
+    ) -> list[RequestOutput]:
+        """Runs a scheduled step and samples its tokens; returns their outputs."""
+        outputs: list[RequestOutput] = []
         sampling = [s for s in scheduled if s.samples]
         # The grammars' masks are computed while the model runs.
         masks = self.token_masks.start([(s.seq.grammar, s.draft_token_ids) for s in sampling])
-        output = self.runner.execute(StepInput([self._chunk(s) for s in scheduled]))
+        output = self.runner.execute(StepInput(chunks))
         for i, rows in output.prompt_logprobs.items():
             prompt_logprobs.record(scheduled[i].seq, rows)
         logits = output.logits

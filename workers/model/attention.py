@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import kernels
+from workers.torch_threads import kernel_threads
 
 # What csrc/paged_attention.c answers for a head dim or group size it does not take.
 _UNSUPPORTED_SHAPE = -1
@@ -267,7 +268,7 @@ class PagedAttention(nn.Module):
             self.score_scale,
             self.sliding_window or 0,
             out.data_ptr(),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         if status == _UNSUPPORTED_SHAPE:
             self._kernel = None

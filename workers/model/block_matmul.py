@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.model import kernels
+from workers.torch_threads import kernel_threads
 
 BLOCK_SIZE = 32
 # Where a converted folder keeps its blocks: in a folder of its own, so that loaders
@@ -143,7 +144,7 @@ class WeightBlocks:
             mins,
             out.data_ptr(),
             n,
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         if status != 0:
             raise RuntimeError(f"block matmul failed (status {status}) for x {tuple(x.shape)}")

@@ -29,6 +29,7 @@ from workers.model.block_matmul import KIND_IDS, MAX_ROWS
 from workers.model.mlp import GatedMLP, silu_mul
 from workers.model.norm import RMSNorm
 from workers.model.parallel import PackableLinear
+from workers.torch_threads import kernel_threads
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Shapes csrc/paged_attention.c takes (its MAX_DIM and MAX_GROUP).
@@ -179,7 +180,7 @@ class FusedDecode:
             model.norm.weight.data_ptr(),
             x.data_ptr(),
             out.data_ptr(),
-            torch.get_num_threads(),
+            kernel_threads(),
         )
         if status != 0:
             raise RuntimeError(

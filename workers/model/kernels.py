@@ -12,6 +12,10 @@
 - `baton_decode_layers`: a Llama-family decode step through all layers, calling the
   kernels above in one call (fused_decode.py).
 
+Steps of up to `team_max_rows()` rows run the matmuls and the attention on a work team
+of threads (csrc/work_team.c) rather than OpenMP's, so that a thread the OS takes away
+never holds the step up.
+
 They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
 into Baton's cache (about three seconds, no torch headers or ninja). OpenMP resolves to
 the libgomp torch already loaded, so the kernels share torch's thread pool, and ctypes
@@ -58,6 +62,7 @@ _PROTOTYPES = {
     "baton_silu_mul": [_ptr, _i64, _i64, _ptr, _int],
     "baton_gelu_tanh_mul": [_ptr, _i64, _i64, _ptr, _int],
     "baton_decode_layers": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
+    "baton_team_max_rows": [],
 }
 
 _lock = threading.Lock()
@@ -76,6 +81,12 @@ def library() -> ctypes.CDLL | None:
             _tried = True
             _library = _load()
         return _library
+
+
+def team_max_rows() -> int:
+    """Rows of x up to which the kernels run on the work team; 0 without the kernels."""
+    lib = library()
+    return lib.baton_team_max_rows() if lib is not None else 0
 
 
 def _load() -> ctypes.CDLL | None:

@@ -9,6 +9,7 @@ from torch import nn
 
 from workers.model import kernels
 from workers.model.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+from workers.torch_threads import kernel_threads
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -41,9 +42,7 @@ def _kernel_gated(gate_up: torch.Tensor, name: str) -> torch.Tensor | None:
     gate_up = gate_up.contiguous()
     out = gate_up.new_empty(*gate_up.shape[:-1], half)
     rows = gate_up.numel() // gate_up.shape[-1]
-    status = getattr(lib, name)(
-        gate_up.data_ptr(), rows, half, out.data_ptr(), torch.get_num_threads()
-    )
+    status = getattr(lib, name)(gate_up.data_ptr(), rows, half, out.data_ptr(), kernel_threads())
     if status != 0:
         raise RuntimeError(f"{name} kernel refused rows of {2 * half} (status {status})")
     return out

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import kernels
+from workers.torch_threads import kernel_threads
 
 
 def fused_rms_norm(
@@ -40,7 +41,7 @@ def fused_rms_norm(
         eps,
         out.data_ptr(),
         None if summed is None else summed.data_ptr(),
-        torch.get_num_threads(),
+        kernel_threads(),
     )
     if status != 0:
         raise RuntimeError(f"rms_norm kernel refused rows of {x.shape[-1]} (status {status})")

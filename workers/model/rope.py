@@ -9,6 +9,7 @@ from torch import nn
 
 from workers.model import kernels
 from workers.model.config import AnyRopeScaling, LinearRopeScaling, YarnRopeScaling
+from workers.torch_threads import kernel_threads
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: AnyRopeScaling | None) -> torch.Tensor:
@@ -130,7 +131,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if lib is not None:
         out = torch.empty(x.shape, dtype=x.dtype)
         args = (x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim, out.data_ptr())
-        if lib.baton_rope(x.data_ptr(), *args, torch.get_num_threads()) != 0:
+        if lib.baton_rope(x.data_ptr(), *args, kernel_threads()) != 0:
             raise RuntimeError(f"rope kernel refused head dim {dim}")
         return out
     half = dim // 2

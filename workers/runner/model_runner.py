@@ -81,6 +81,8 @@ class ModelRunner:
         self.model.bind_kv_cache(
             [(*self.kv_cache[buffer], group) for group, buffer in self.groups.placement()]
         )
+        # Steps of up to this many rows leave torch's ops on one thread (LLMEngine).
+        self.small_step_rows = self.model.small_step_rows()
 
     @classmethod
     def from_spec(cls, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRunner:

@@ -42,6 +42,10 @@ def rank_bundle(gpu: bool) -> dict[str, float]:
 
 
 class TPWorkerGroup:
+    # The ranks set their own threads for every step (tp_worker.py); the engine's
+    # small-step rule (ModelRunner.small_step_rows) is not theirs.
+    small_step_rows = 0
+
     def __init__(
         self,
         tp_size: int,

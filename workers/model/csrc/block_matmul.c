@@ -10,17 +10,21 @@
  * copy of them. The sum is float32 throughout: sum_b scale_b * (q_b . x_b) (+ min_b *
  * sum(x_b)), which equals the dequantized float32 matmul up to rounding order.
  *
- * Built by workers/model/block_matmul.py with -mavx2 -mfma -fopenmp; OpenMP resolves to
- * the libgomp torch already loaded, so these loops share torch's thread pool.
+ * Built by workers/model/kernels.py with -mavx2 -mfma -fopenmp. Up to MAX_ROWS rows of
+ * x run on the work team (work_team.c); more take OpenMP, which resolves to the libgomp
+ * torch already loaded, so those loops share torch's thread pool.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "block_kinds.h"
 #include "simd.h"
+#include "work_team.h"
 
 #define MAX_ROWS 8    /* rows of x per pass: 4 weight vectors + 8 accumulators fit in 16 ymm */
+_Static_assert(MAX_ROWS == TEAM_MAX_ROWS, "the work team takes the row-at-a-time path's calls");
 
 static inline __attribute__((always_inline)) void unpack(int kind, const uint8_t *p, __m256 q[4]) {
   if (kind == Q4_1) {
@@ -40,11 +44,12 @@ static inline __attribute__((always_inline)) void unpack(int kind, const uint8_t
   }
 }
 
-/* Rows [m0, m0 + R) of y for weight rows [n0, n1). */
+/* Rows [m0, m0 + R) of y for weight rows [n0, n1): y[m][n - col0], rows ys floats
+ * apart. */
 static inline __attribute__((always_inline)) void tile(
     int kind, const int R, const float *x, int64_t K, const uint8_t *qs, const float *scale,
-    const float *min, const float *block_sums, float *y, int64_t N, int64_t n0, int64_t n1,
-    int64_t m0) {
+    const float *min, const float *block_sums, float *y, int64_t ys, int64_t col0, int64_t n0,
+    int64_t n1, int64_t m0) {
   const int64_t nb = K / BLOCK;
   const int64_t block_bytes = kind == Q4_1 ? BLOCK / 2 : BLOCK;
   for (int64_t n = n0; n < n1; ++n) {
@@ -80,20 +85,21 @@ static inline __attribute__((always_inline)) void tile(
     for (int r = 0; r < R; ++r) {
       if (kind == Q4_1)
         acc[r] = _mm256_add_ps(acc[r], min_dot(min + n * nb, block_sums + (m0 + r) * nb, nb));
-      y[(m0 + r) * N + n] = hsum(acc[r]);
+      y[(m0 + r) * ys + n - col0] = hsum(acc[r]);
     }
   }
 }
 
 static void chunk(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                   const float *scale, const float *min, const float *block_sums, float *y,
-                  int64_t N, int64_t n0, int64_t n1) {
+                  int64_t ys, int64_t col0, int64_t n0, int64_t n1) {
   int64_t m0 = 0;
   for (; m0 + MAX_ROWS <= M; m0 += MAX_ROWS)
-    tile(kind, MAX_ROWS, x, K, qs, scale, min, block_sums, y, N, n0, n1, m0);
+    tile(kind, MAX_ROWS, x, K, qs, scale, min, block_sums, y, ys, col0, n0, n1, m0);
   /* The constant R lets the compiler keep each remainder's accumulators in registers. */
   switch (M - m0) {
-#define REST(R) case R: tile(kind, R, x, K, qs, scale, min, block_sums, y, N, n0, n1, m0); break;
+#define REST(R) \
+  case R: tile(kind, R, x, K, qs, scale, min, block_sums, y, ys, col0, n0, n1, m0); break;
     REST(7) REST(6) REST(5) REST(4) REST(3) REST(2) REST(1)
 #undef REST
     default: break;
@@ -271,6 +277,63 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
   return status;
 }
 
+/* Weight rows [n0, n1) for every row of x, 16 at a time (chunk's kind a constant). */
+static void rows_of(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                    const float *scale, const float *min, const float *block_sums, float *y,
+                    int64_t ys, int64_t col0, int64_t n0, int64_t n1) {
+  for (int64_t c0 = n0; c0 < n1; c0 += N_CHUNK) {
+    const int64_t c1 = c0 + N_CHUNK < n1 ? c0 + N_CHUNK : n1;
+    if (kind == Q4_1)
+      chunk(Q4_1, x, M, K, qs, scale, min, block_sums, y, ys, col0, c0, c1);
+    else if (kind == Q8_0)
+      chunk(Q8_0, x, M, K, qs, scale, min, block_sums, y, ys, col0, c0, c1);
+    else
+      chunk(Q8_16, x, M, K, qs, scale, min, block_sums, y, ys, col0, c0, c1);
+  }
+}
+
+/* A few rows of x as a work-team loop (work_team.h): an item is `width` weight rows. */
+typedef struct {
+  int kind;
+  const float *x, *block_sums, *scale, *min;
+  const uint8_t *qs;
+  float *y;
+  int64_t M, K, N, width;
+} RowsLoop;
+
+static void rows_run(const void *ctx, int64_t item, float *scratch) {
+  const RowsLoop *l = ctx;
+  const int64_t n0 = item * l->width, n1 = n0 + l->width < l->N ? n0 + l->width : l->N;
+  if (scratch == NULL)
+    rows_of(l->kind, l->x, l->M, l->K, l->qs, l->scale, l->min, l->block_sums, l->y, l->N, 0,
+            n0, n1);
+  else
+    rows_of(l->kind, l->x, l->M, l->K, l->qs, l->scale, l->min, l->block_sums, scratch,
+            n1 - n0, n0, n0, n1);
+}
+
+static void rows_commit(const void *ctx, int64_t item, const float *scratch) {
+  const RowsLoop *l = ctx;
+  const int64_t n0 = item * l->width, n1 = n0 + l->width < l->N ? n0 + l->width : l->N;
+  for (int64_t m = 0; m < l->M; ++m)
+    memcpy(l->y + m * l->N + n0, scratch + m * (n1 - n0), sizeof(float) * (size_t)(n1 - n0));
+}
+
+static int64_t rows_scratch(const void *ctx) {
+  const RowsLoop *l = ctx;
+  return l->M * l->width;
+}
+
+/* x's block sums (Q4_1's minimum term): sums[i] over the M * K / BLOCK blocks. */
+static void block_sums_of(const float *x, int64_t blocks, float *sums) {
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float *v = x + i * BLOCK;
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
+                             _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
+    sums[i] = hsum(s);
+  }
+}
+
 /* kind: Q4_1, Q8_0 or Q8_16; min is ignored (may be NULL) but for Q4_1. Returns 0, or
  * -1 when K is not a whole number of blocks, the kind is unknown or scratch memory ran
  * out. */
@@ -280,29 +343,16 @@ int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uin
   if (K % BLOCK != 0 || (kind != Q4_1 && kind != Q8_0 && kind != Q8_16)) return -1;
   if (M > MAX_ROWS) return panel_matmul(kind, x, M, K, qs, scale, min, y, N, num_threads);
   const int64_t nb = K / BLOCK;
-  float *block_sums = NULL;
-  if (kind == Q4_1) {
-    block_sums = malloc(sizeof(float) * (size_t)(M * nb));
-    if (block_sums == NULL) return -1;
-    for (int64_t i = 0; i < M * nb; ++i) {
-      const float *v = x + i * BLOCK;
-      __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
-                               _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
-      block_sums[i] = hsum(s);
-    }
-  }
   const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
-#pragma omp parallel for schedule(dynamic, chunks_per_grab(chunks, num_threads)) \
-    num_threads(num_threads)  /* dynamic: as above */
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
-    if (kind == Q4_1)
-      chunk(Q4_1, x, M, K, qs, scale, min, block_sums, y, N, n0, n1);
-    else if (kind == Q8_0)
-      chunk(Q8_0, x, M, K, qs, scale, min, block_sums, y, N, n0, n1);
-    else
-      chunk(Q8_16, x, M, K, qs, scale, min, block_sums, y, N, n0, n1);
-  }
-  free(block_sums);
+  const int64_t width = N_CHUNK * chunks_per_grab(chunks, num_threads);
+  /* x and its block sums in the team's arena: a helper late on an item reads them. */
+  float *arena = team_arena(sizeof(float) * (M * K + M * nb));
+  if (arena == NULL) return -1;
+  memcpy(arena, x, sizeof(float) * (size_t)(M * K));
+  if (kind == Q4_1) block_sums_of(arena, M * nb, arena + M * K);
+  const RowsLoop loop = {kind, arena, arena + M * K, scale, min, qs, y, M, K, N, width};
+  const TeamLoop team = {rows_run, rows_commit, rows_scratch, (N + width - 1) / width};
+  if (num_threads > 1 && team_run(&team, &loop, sizeof loop, num_threads) == 0) return 0;
+  rows_of(kind, arena, M, K, qs, scale, min, arena + M * K, y, N, 0, 0, N);
   return 0;
 }

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "simd.h"
+#include "work_team.h"
 
 #define MAX_DIM 256   /* head dims up to this, multiples of 8 */
 #define MAX_GROUP 16  /* query heads per KV head */
@@ -78,10 +79,14 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, float r
 
 #define CHUNK 32 /* keys scored before one softmax update */
 
+/* One (sequence, KV head): its G query heads' outputs. A block id outside [0,
+ * num_blocks) ends the keys early: callers check tables first, so only a work-team
+ * helper reading a later loop's table (work_team.c) meets one, and its result is
+ * dropped. */
 static inline __attribute__((always_inline)) void one_head_group(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-    int64_t length, int64_t window, int G, const int D, int block_size, float scale,
-    float *out) {
+    int64_t num_blocks, int64_t length, int64_t window, int G, const int D, int block_size,
+    float scale, float *out) {
   float acc[MAX_GROUP][MAX_DIM];
   float running_max[MAX_GROUP], denom[MAX_GROUP], s[CHUNK] = {0};
   for (int g = 0; g < G; ++g) {
@@ -95,7 +100,9 @@ static inline __attribute__((always_inline)) void one_head_group(
     int64_t n = block_size - offset;
     if (n > length - t) n = length - t;
     if (n > CHUNK) n = CHUNK;
-    const int64_t slot = table[t / block_size] * block_size + offset;
+    const int64_t block = table[t / block_size];
+    if (block < 0 || block >= num_blocks) break;
+    const int64_t slot = block * block_size + offset;
     const float *k = k_cache + slot * D, *v = v_cache + slot * D;
     for (int g = 0; g < G; ++g) {
       scores(q + g * D, k, (int)n, D, scale, s);
@@ -129,6 +136,56 @@ static inline __attribute__((always_inline)) void one_head_group(
   }
 }
 
+/* Item b * Hkv + h: sequence b's KV head h, its G query heads' outputs into out. */
+static void head_group(const float *q, const float *k_cache, const float *v_cache,
+                       int64_t num_slots, const int64_t *tables, int64_t max_blocks,
+                       const int64_t *lengths, int Hq, int Hkv, int G, int D, int block_size,
+                       float scale, int64_t window, int64_t item, float *out) {
+  const int64_t b = item / Hkv, h = item % Hkv;
+  const float *qh = q + (b * Hq + h * G) * D;
+  const float *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;
+  const int64_t *table = tables + b * max_blocks;
+  const int64_t num_blocks = num_slots / block_size;
+  int64_t length = lengths[b];
+  if (length > max_blocks * block_size) length = max_blocks * block_size; /* as one_head_group */
+  /* Constant head dims of common models let the accumulators live in registers. */
+  if (D == 64)
+    one_head_group(qh, kh, vh, table, num_blocks, length, window, G, 64, block_size, scale, out);
+  else if (D == 128)
+    one_head_group(qh, kh, vh, table, num_blocks, length, window, G, 128, block_size, scale, out);
+  else if (D == 256)
+    one_head_group(qh, kh, vh, table, num_blocks, length, window, G, 256, block_size, scale, out);
+  else
+    one_head_group(qh, kh, vh, table, num_blocks, length, window, G, D, block_size, scale, out);
+}
+
+/* A step's attention as a work-team loop (work_team.h). */
+typedef struct {
+  const float *q, *k_cache, *v_cache;
+  const int64_t *tables, *lengths;
+  float *out;
+  int64_t num_slots, max_blocks, window;
+  int Hq, Hkv, G, D, block_size;
+  float scale;
+} AttentionLoop;
+
+static void attention_run(const void *ctx, int64_t item, float *scratch) {
+  const AttentionLoop *l = ctx;
+  head_group(l->q, l->k_cache, l->v_cache, l->num_slots, l->tables, l->max_blocks, l->lengths,
+             l->Hq, l->Hkv, l->G, l->D, l->block_size, l->scale, l->window, item,
+             scratch != NULL ? scratch : l->out + item * l->G * l->D);
+}
+
+static void attention_commit(const void *ctx, int64_t item, const float *scratch) {
+  const AttentionLoop *l = ctx;
+  memcpy(l->out + item * l->G * l->D, scratch, sizeof(float) * (size_t)(l->G * l->D));
+}
+
+static int64_t attention_scratch(const void *ctx) {
+  const AttentionLoop *l = ctx;
+  return (int64_t)l->G * l->D;
+}
+
 /* Returns 0; -1 for a head dim or group size the kernel does not take (the caller falls
  * back to another way); -2 for a length or block id out of range (a broken caller). */
 int baton_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
@@ -147,23 +204,26 @@ int baton_paged_decode_attention(const float *q, const float *k_cache, const flo
       if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return -2;
   }
   const int G = Hq / Hkv;
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-  for (int64_t item = 0; item < B * Hkv; ++item) {
-    const int64_t b = item / Hkv, h = item % Hkv;
-    const float *qh = q + (b * Hq + h * G) * D;
-    const float *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;
-    const int64_t *table = tables + b * max_blocks;
-    float *oh = out + (b * Hq + h * G) * D;
-    /* Constant head dims of common models let the accumulators live in registers. */
-    if (D == 64)
-      one_head_group(qh, kh, vh, table, lengths[b], window, G, 64, block_size, scale, oh);
-    else if (D == 128)
-      one_head_group(qh, kh, vh, table, lengths[b], window, G, 128, block_size, scale, oh);
-    else if (D == 256)
-      one_head_group(qh, kh, vh, table, lengths[b], window, G, 256, block_size, scale, oh);
-    else
-      one_head_group(qh, kh, vh, table, lengths[b], window, G, D, block_size, scale, oh);
+  if (num_threads > 1 && B <= TEAM_MAX_ROWS) {
+    /* The step's queries, tables and lengths in the team's arena: a helper late on an
+     * item reads them. */
+    float *qa = team_arena(sizeof(float) * (size_t)(B * Hq * D) +
+                           sizeof(int64_t) * (size_t)(B * max_blocks + B));
+    if (qa != NULL) {
+      int64_t *ta = (int64_t *)(qa + B * Hq * D), *la = ta + B * max_blocks;
+      memcpy(qa, q, sizeof(float) * (size_t)(B * Hq * D));
+      memcpy(ta, tables, sizeof(int64_t) * (size_t)(B * max_blocks));
+      memcpy(la, lengths, sizeof(int64_t) * (size_t)B);
+      const AttentionLoop loop = {qa, k_cache, v_cache, ta, la, out, num_slots, max_blocks,
+                                  window, Hq, Hkv, G, D, block_size, scale};
+      const TeamLoop team = {attention_run, attention_commit, attention_scratch, B * Hkv};
+      if (team_run(&team, &loop, sizeof loop, num_threads) == 0) return 0;
+    }
   }
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+  for (int64_t item = 0; item < B * Hkv; ++item)
+    head_group(q, k_cache, v_cache, num_slots, tables, max_blocks, lengths, Hq, Hkv, G, D,
+               block_size, scale, window, item, out + item * G * D);
   return 0;
 }
 

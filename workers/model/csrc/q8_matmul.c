@@ -19,9 +19,11 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "block_kinds.h"
 #include "simd.h"
+#include "work_team.h"
 
 /* n blocks of x as q (32 int8 each) and d; sums (may be NULL): each block's float sum,
  * added as block_matmul.c adds it. */
@@ -97,11 +99,11 @@ static inline __attribute__((always_inline)) void load_weight(int kind, const ui
   }
 }
 
-/* y[n] for weight rows [n0, n1). Blocks go two at a time, the first's product the
+/* y[n - col0] for weight rows [n0, n1). Blocks go two at a time, the first's product the
  * second's addend, so the chain of dependent adds on the accumulator is half as long. */
 static inline __attribute__((always_inline)) void rows(
     int kind, const int8_t *xq, const float *xd, const float *xs, int64_t K, const uint8_t *qs,
-    const float *scale, const float *min, float *y, int64_t n0, int64_t n1) {
+    const float *scale, const float *min, float *y, int64_t col0, int64_t n0, int64_t n1) {
   const int64_t nb = K / BLOCK;
   const int64_t block_bytes = kind == Q4_1 ? BLOCK / 2 : BLOCK;
   for (int64_t n = n0; n < n1; ++n) {
@@ -124,9 +126,46 @@ static inline __attribute__((always_inline)) void rows(
       acc = scaled_dot(kind, w0, a0, xq + b * BLOCK, xd[b], scale, sb + b, acc);
     }
     if (kind == Q4_1) acc = _mm256_add_ps(acc, min_dot(min + sb, xs, nb));
-    y[n] = hsum(acc);
+    y[n - col0] = hsum(acc);
   }
 }
+
+/* Weight rows [n0, n1) (rows' kind a constant). */
+static void rows_of(int kind, const int8_t *xq, const float *xd, const float *xs, int64_t K,
+                    const uint8_t *qs, const float *scale, const float *min, float *y,
+                    int64_t col0, int64_t n0, int64_t n1) {
+  if (kind == Q4_1)
+    rows(Q4_1, xq, xd, xs, K, qs, scale, min, y, col0, n0, n1);
+  else if (kind == Q8_0)
+    rows(Q8_0, xq, xd, xs, K, qs, scale, min, y, col0, n0, n1);
+  else
+    rows(Q8_16, xq, xd, xs, K, qs, scale, min, y, col0, n0, n1);
+}
+
+/* The product as a work-team loop (work_team.h): an item is `width` weight rows. */
+typedef struct {
+  int kind;
+  const int8_t *xq;
+  const float *xd, *xs, *scale, *min;
+  const uint8_t *qs;
+  float *y;
+  int64_t K, N, width;
+} Q8Loop;
+
+static void q8_run(const void *ctx, int64_t item, float *scratch) {
+  const Q8Loop *l = ctx;
+  const int64_t n0 = item * l->width, n1 = n0 + l->width < l->N ? n0 + l->width : l->N;
+  rows_of(l->kind, l->xq, l->xd, l->xs, l->K, l->qs, l->scale, l->min,
+          scratch == NULL ? l->y : scratch, scratch == NULL ? 0 : n0, n0, n1);
+}
+
+static void q8_commit(const void *ctx, int64_t item, const float *scratch) {
+  const Q8Loop *l = ctx;
+  const int64_t n0 = item * l->width, n1 = n0 + l->width < l->N ? n0 + l->width : l->N;
+  memcpy(l->y + n0, scratch, sizeof(float) * (size_t)(n1 - n0));
+}
+
+static int64_t q8_scratch(const void *ctx) { return ((const Q8Loop *)ctx)->width; }
 
 /* As baton_block_matmul, which it calls for more than one row of x. Returns 0, or -1
  * when K is not a whole number of blocks, the kind is unknown or scratch memory ran
@@ -137,28 +176,17 @@ int baton_block_matmul_q8(int kind, const float *x, int64_t M, int64_t K, const 
   if (K % BLOCK != 0 || (kind != Q4_1 && kind != Q8_0 && kind != Q8_16)) return -1;
   if (M != 1) return baton_block_matmul(kind, x, M, K, qs, scale, min, y, N, num_threads);
   const int64_t nb = K / BLOCK;
-  int8_t *xq = malloc((size_t)K);
-  float *xd = malloc(sizeof(float) * (size_t)(2 * nb));
-  if (xq == NULL || xd == NULL) {
-    free(xq);
-    free(xd);
-    return -1;
-  }
+  /* x's rounding in the team's arena: a helper late on an item reads it. */
+  float *xd = team_arena(sizeof(float) * (size_t)(2 * nb) + (size_t)K);
+  if (xd == NULL) return -1;
   float *xs = xd + nb;
+  int8_t *xq = (int8_t *)(xs + nb);
   quantize_blocks(x, nb, xq, xd, kind == Q4_1 ? xs : NULL);
   const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
-#pragma omp parallel for schedule(dynamic, chunks_per_grab(chunks, num_threads)) \
-    num_threads(num_threads)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n0 = c * N_CHUNK, n1 = n0 + N_CHUNK < N ? n0 + N_CHUNK : N;
-    if (kind == Q4_1)
-      rows(Q4_1, xq, xd, xs, K, qs, scale, min, y, n0, n1);
-    else if (kind == Q8_0)
-      rows(Q8_0, xq, xd, xs, K, qs, scale, min, y, n0, n1);
-    else
-      rows(Q8_16, xq, xd, xs, K, qs, scale, min, y, n0, n1);
-  }
-  free(xq);
-  free(xd);
+  const int64_t width = N_CHUNK * chunks_per_grab(chunks, num_threads);
+  const Q8Loop loop = {kind, xq, xd, xs, scale, min, qs, y, K, N, width};
+  const TeamLoop team = {q8_run, q8_commit, q8_scratch, (N + width - 1) / width};
+  if (num_threads > 1 && team_run(&team, &loop, sizeof loop, num_threads) == 0) return 0;
+  rows_of(kind, xq, xd, xs, K, qs, scale, min, y, 0, 0, N);
   return 0;
 }

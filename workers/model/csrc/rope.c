@@ -12,12 +12,15 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "work_team.h"
+
 /* Returns 0, or -1 when D / 2 is not a multiple of 8. */
 int baton_rope(const float *x, int64_t row_stride, const float *cos, const float *sin,
                int64_t T, int64_t H, int64_t D, float *out, int num_threads) {
   const int64_t half = D / 2;
   if (D % 16 != 0) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H * D >= 1 << 16)
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (T > TEAM_MAX_ROWS && T * H * D >= 1 << 16)  /* none beside the work team */
   for (int64_t t = 0; t < T; ++t) {
     const float *c = cos + t * D, *s = sin + t * D;
     for (int64_t h = 0; h < H; ++h) {

@@ -11,12 +11,14 @@
 #include <stdint.h>
 
 #include "simd.h"
+#include "work_team.h"
 
 /* Returns 0, or -1 when I is not a multiple of 8. */
 int baton_silu_mul(const float *x, int64_t T, int64_t I, float *out, int num_threads) {
   if (I % 8 != 0) return -1;
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) if (T * I >= 1 << 13)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) \
+    if (T > TEAM_MAX_ROWS && T * I >= 1 << 13)  /* none beside the work team */
   for (int64_t t = 0; t < T; ++t) {
     const float *gate = x + t * 2 * I, *up = gate + I;
     for (int64_t i = 0; i < I; i += 8) {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.model import kernels
 from workers.model.attention import AttentionMetadata, PagedAttention
 from workers.model.config import ModelConfig
 from workers.model.fused_decode import FusedDecode
@@ -75,6 +76,16 @@ class CausalLM(nn.Module):
         for module in layers:
             module.q8_activations = True
         return bool(layers)
+
+    def small_step_rows(self) -> int:
+        """Steps of up to this many rows run every projection, the LM head and the
+        attention in Baton's kernels, on their work team (kernels.py): their torch ops
+        are small and best left on one thread. 0 when a projection has no GGUF blocks
+        (its matmuls are torch's)."""
+        layers = [m for m in self.modules() if isinstance(m, PackableLinear)]
+        if not layers or any(m.blocks is None for m in layers):
+            return 0
+        return kernels.team_max_rows()
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
