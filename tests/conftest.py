@@ -12,6 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+# How often the test Ray's workers export metrics (ray_cluster).
+METRICS_EXPORT_S = 2.0
+
+
 # No test may reach the Hugging Face hub (it is unreachable where this suite runs, and
 # everything needed is local). huggingface_hub reads this once at import, so it is set here,
 # before any test module imports transformers.
@@ -286,6 +290,9 @@ def ray_cluster(ray_metrics_port):
         include_dashboard=False,
         _temp_dir=temp_dir,
         _metrics_export_port=ray_metrics_port,
+        # Workers export metrics every 2 s, not Ray's 10: the tests that read them wait
+        # for an export, and settle past one (METRICS_EXPORT_S).
+        _system_config={"metrics_report_interval_ms": int(METRICS_EXPORT_S * 1000)},
         log_to_driver=False,
         object_store_memory=200 * 2**20,
     )

@@ -13,6 +13,7 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from conftest import METRICS_EXPORT_S
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ray import serve
@@ -162,10 +163,11 @@ def test_the_router_counts_client_requests_not_choices(keyed, ray_metrics_port):
             for name, api, status in series
         }
 
-    # Settled: the same over two scrapes past Ray's export interval.
+    # Settled: the same over two scrapes an export interval and more apart (the other
+    # tests' requests may still be on their way).
     before, deadline = totals(), time.monotonic() + 60
     while True:
-        time.sleep(6)
+        time.sleep(METRICS_EXPORT_S + 1)
         if (now := totals()) == before:
             break
         assert time.monotonic() < deadline, "the metrics never settled"
