@@ -18,7 +18,7 @@ never holds the step up.
 
 They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
 into Baton's cache (about three seconds, no torch headers or ninja). OpenMP resolves to
-the libgomp torch already loaded, so the kernels share torch's thread pool, and ctypes
+the libgomp torch already loaded, so their larger loops share torch's thread pool; ctypes
 releases the GIL while they run. Without a compiler or AVX2, `library()` is None and
 the model runs on torch's own operators, as on every other device.
 """

@@ -28,7 +28,6 @@
 #define _GNU_SOURCE
 #include "work_team.h"
 
-#include <errno.h>
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
