@@ -380,12 +380,17 @@ def test_each_application_routes_by_a_prefix_registry_of_its_own(disagg, smollm2
 
 class _Person(pydantic.BaseModel):
     """What an extraction pipeline asks for: bounded fields, so that every sample ends
-    within its budget and validity rests on the grammar alone."""
+    within its budget and validity rests on the grammar alone. The strings hold at most
+    120 characters; at up to 6 byte tokens a character (a JSON escape) and some 30
+    tokens of structure, every sample ends inside `_PERSON_TOKENS`."""
 
-    name: str = pydantic.Field(max_length=40)
+    name: str = pydantic.Field(max_length=30)
     age: int = pydantic.Field(ge=0, le=120)
-    city: str = pydantic.Field(max_length=40)
-    hobbies: list[Annotated[str, pydantic.Field(max_length=30)]] = pydantic.Field(max_length=4)
+    city: str = pydantic.Field(max_length=30)
+    hobbies: list[Annotated[str, pydantic.Field(max_length=20)]] = pydantic.Field(max_length=3)
+
+
+_PERSON_TOKENS = 768
 
 
 _TOPICS = [
@@ -417,7 +422,7 @@ def _person_prompt(topic: str) -> str:
 
 def test_langchain_and_the_openai_sdk_get_schema_valid_output_at_temperature_1(service):
     schema = _Person.model_json_schema()
-    llm = _langchain_model(service, "disagg", temperature=1.0, max_tokens=160)
+    llm = _langchain_model(service, "disagg", temperature=1.0, max_tokens=_PERSON_TOKENS)
     people = llm.with_structured_output(_Person).batch(
         [_person_prompt(t) for t in _TOPICS], config={"max_concurrency": 8}
     )
@@ -433,7 +438,7 @@ def test_langchain_and_the_openai_sdk_get_schema_valid_output_at_temperature_1(s
             messages=[{"role": "user", "content": _person_prompt(topic)}],
             response_format=_Person,
             temperature=1.0,
-            max_tokens=160,
+            max_tokens=_PERSON_TOKENS,
         )
         assert isinstance(done.choices[0].message.parsed, _Person)
         assert done.choices[0].finish_reason == "stop"
@@ -633,7 +638,7 @@ def test_the_responses_api_answers_text_structured_output_and_tools(service):
 
     parsed = client.responses.parse(
         model=model, input=_person_prompt("a gardener"), text_format=_Person, temperature=1.0,
-        max_output_tokens=160,
+        max_output_tokens=_PERSON_TOKENS,
     )  # fmt: skip
     assert isinstance(parsed.output_parsed, _Person)
     flat = {"type": "function", **_WEATHER["function"]}

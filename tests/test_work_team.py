@@ -5,11 +5,14 @@ items the test controls, so that a helper can be made late on an item at will.
 - a helper late on an item is overtaken: the lead runs the item itself and returns, and
   the helper's result, arriving after, is dropped rather than written over a loop that
   has moved on;
-- the team goes on serving loops after that.
+- the team goes on serving loops after that;
+- helpers run in SCHED_IDLE, so that a thread waking on a busy machine takes a helper's
+  core rather than the lead's; the lead keeps its policy.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,6 +32,8 @@ pytestmark = pytest.mark.skipif(
 # value to its scratch, except on the late item of a late loop: it sleeps first, then
 # writes -1, which must never reach the outputs.
 HARNESS = r"""
+#define _GNU_SOURCE
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +42,7 @@ HARNESS = r"""
 
 typedef struct { float *y; int loop; int late_item; } Ctx;
 static _Atomic int helper_started_late_item;
+static _Atomic int helper_items, helper_items_not_idle, lead_items_idle;
 
 static void nap(long ms) {
   struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
@@ -46,12 +52,16 @@ static void nap(long ms) {
 static void run(const void *c, int64_t i, float *scratch) {
   const Ctx *ctx = c;
   const float value = 1000.0f * ctx->loop + (float)i;
+  const int idle = sched_getscheduler(0) == SCHED_IDLE;
   if (scratch == NULL) {
+    atomic_fetch_add(&lead_items_idle, idle);
     /* The lead's first item waits, so that the helpers claim the others. */
     if (ctx->late_item >= 0 && i == 0) nap(20);
     ctx->y[i] = value;
     return;
   }
+  atomic_fetch_add(&helper_items, 1);
+  atomic_fetch_add(&helper_items_not_idle, !idle);
   if (i == ctx->late_item) {
     atomic_store(&helper_started_late_item, 1);
     nap(300);
@@ -109,6 +119,9 @@ int main(int argc, char **argv) {
     }
   }
   if (check(y, loop - 1, items)) return 1;
+  printf("helper items %d, not SCHED_IDLE %d; lead items in SCHED_IDLE %d\n",
+         atomic_load(&helper_items), atomic_load(&helper_items_not_idle),
+         atomic_load(&lead_items_idle));
   printf("ok\n");
   return 0;
 }
@@ -135,3 +148,14 @@ def test_every_item_of_every_loop_is_done_when_the_lead_returns(harness, threads
     assert out.stdout.strip().endswith("ok")
     if threads > 1:
         assert "lead returned" in out.stdout
+
+
+def test_helpers_run_in_sched_idle_and_the_lead_keeps_its_policy(harness):
+    """A thread that wakes on a busy machine then preempts a helper, not the lead."""
+    out = subprocess.run([str(harness), "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    counts = re.search(
+        r"helper items (\d+), not SCHED_IDLE (\d+); lead items in SCHED_IDLE (\d+)", out.stdout
+    )
+    helper_items, not_idle, lead_idle = map(int, counts.groups())
+    assert helper_items > 0 and not_idle == 0 and lead_idle == 0, out.stdout

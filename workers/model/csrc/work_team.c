@@ -18,6 +18,13 @@
  * So a loop's outputs are each one thread's, computed once or twice but written once,
  * and the same floats whoever ran them.
  *
+ * Helpers run in SCHED_IDLE, the lead in the policy it has. Linux places a waking
+ * thread on a core that runs only SCHED_IDLE threads as on an idle one, and there it
+ * preempts at once; so the serving threads each token wakes take a helper's core, whose
+ * items the lead takes over, rather than the lead's, which alone advances the step.
+ * Any other work on the machine (a prefill replica's step) gets the helper's core the
+ * same way. Lowering a thread's own policy needs no privilege.
+ *
  * Every item's state word carries the loop's sequence number, and a claim or commit is
  * a compare-and-swap on it, so a helper resuming an item of a loop long finished fails
  * and goes back to waiting. Helpers spin a little between loops (a step's loops come
@@ -31,6 +38,7 @@
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,6 +138,8 @@ static void help(Team *t, const Published *p, uint64_t seq, float **scratch,
 static void *helper_main(void *arg) {
   HelperArgs args = *(HelperArgs *)arg;
   free(arg);
+  const struct sched_param no_priority = {0};
+  sched_setscheduler(0, SCHED_IDLE, &no_priority); /* this thread; best effort */
   Team *t = args.team;
   float *scratch = NULL;
   int64_t scratch_floats = 0;
