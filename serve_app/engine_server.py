@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import asdict
 
+import ray
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -37,6 +38,7 @@ from serve_app.protocol import EngineRequest, PrefillResult, StreamStart, Subscr
 from serve_app.routing.prefix_registry import HEARTBEAT_S, get_or_create_registry
 from serve_app.serve_config import DEPLOYMENT_NAMES
 from serve_app.status_board import get_or_create_board
+from serve_app.streaming.channel_server import ChannelServer
 from serve_app.streaming.output_channels import OutputChannels
 from workers.engine import (
     AsyncEngine,
@@ -99,6 +101,8 @@ class EngineServer:
         self.gpus = replica_gpus(pool.num_gpus, self._visible_gpus)
         self.decode = None if prefill_pool is None else self._decode_handoff(config, prefill_pool)
         self.channels = OutputChannels(self.replica_id)
+        # Started by the first generate call, on the event loop that fills the channels.
+        self.channel_server = ChannelServer(self.channels, ray.util.get_node_ip_address())
         self.engine_setup = {
             "dtype": engine_config.resolved_dtype_name(),
             "tensor_parallel_size": engine_config.tensor_parallel_size,
@@ -146,6 +150,7 @@ class EngineServer:
                 request.params,
                 request.cache_salt,
             )
+        await self.channel_server.start()
         async for item in self.channels.stream(request.router_id, self._timed(outputs)):
             yield item
 
@@ -291,6 +296,8 @@ class EngineServer:
     async def __del__(self) -> None:
         # Serve calls this on graceful shutdown (scale down, redeploy), and also after a
         # constructor that failed part way: only undo what was done.
+        if hasattr(self, "channel_server"):
+            self.channel_server.close()
         if hasattr(self, "engine"):
             try:
                 await self.engine.shutdown()

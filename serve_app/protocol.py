@@ -39,6 +39,16 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
+class ChannelAddress:
+    """Where a replica's channel server (streaming/channel_server.py) takes subscriptions
+    over a socket of their own, and the token a subscriber must show."""
+
+    host: str
+    port: int
+    token: str
+
+
+@dataclass(frozen=True)
 class StreamStart:
     """A generate call's first item: the replica that took it, and whether its outputs
     follow on the call (False) or on the router's subscription to that replica (True)."""
@@ -49,6 +59,8 @@ class StreamStart:
     # earlier one to the same replica that ended meanwhile with this call's outputs.
     # None from a replica of an earlier release (mid rolling upgrade): not checked.
     subscription_id: str | None = None
+    # On a call not muxed: where to subscribe over a socket; None: by Serve's call only.
+    channel: ChannelAddress | None = None
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ The protocol, per router and engine replica:
   ongoing-request counts, cancellation and errors. Its first item is a `StreamStart`
   saying which replica took it and whether the outputs follow on the call itself or on
   the router's subscription to that replica.
-- A router that sees a replica answer "on the call" opens a subscription there: one
-  long-lived streaming `subscribe` call, pinned to that replica by the request router.
+- A router that sees a replica answer "on the call" opens a subscription there: a
+  socket to the replica's channel server, whose address the answer carries
+  (channel_server.py), or where it cannot connect, one long-lived streaming `subscribe`
+  call, pinned to that replica by the request router.
   From then on the replica puts that router's outputs into its `OutputChannel`, and the
   subscription yields what the channel holds, once per wake-up (one engine step, or
   everything that piled up while the router was busy, merged per request).
@@ -31,7 +33,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
-from serve_app.protocol import StreamStart, Subscription
+from serve_app.protocol import ChannelAddress, StreamStart, Subscription
 from serve_app.streaming.output_channel import OutputChannel
 from workers.engine import RequestOutput
 
@@ -62,6 +64,8 @@ class OutputChannels:
         self.idle_s = idle_s
         self._channels: dict[str, OutputChannel] = {}
         self.totals = MuxStats()
+        # Where routers may subscribe over a socket (channel_server.py), once it listens.
+        self.address: ChannelAddress | None = None
 
     def stats(self) -> dict[str, int]:
         return {**asdict(self.totals), "open_subscriptions": len(self._channels)}
@@ -74,7 +78,7 @@ class OutputChannels:
         channel = None if router_id is None else self._channels.get(router_id)
         try:
             if channel is None:
-                yield StreamStart(self.replica_id, muxed=False)
+                yield StreamStart(self.replica_id, muxed=False, channel=self.address)
                 async for out in outputs:
                     yield out
                 return

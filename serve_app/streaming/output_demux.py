@@ -11,7 +11,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from serve_app.errors import SubscriptionLost
-from serve_app.protocol import StreamStart, Subscription
+from serve_app.protocol import ChannelAddress, StreamStart, Subscription
+from serve_app.streaming.socket_subscription import SocketSubscription
 from workers.engine import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class OutputDemux:
                 raise RuntimeError(f"a generate call began with {type(start).__name__}")
             if not start.muxed:
                 del self._queues[request_id]
-                self._ensure_subscription(start.replica_id)
+                self._ensure_subscription(start.replica_id, start.channel)
                 async for out in call:
                     yield out
                 return
@@ -84,7 +85,7 @@ class OutputDemux:
         finally:
             self._queues.pop(request_id, None)
 
-    def _ensure_subscription(self, replica_id: str) -> None:
+    def _ensure_subscription(self, replica_id: str, channel: ChannelAddress | None = None) -> None:
         if replica_id not in self._subscriptions:
             sub = Subscription(self.router_id, replica_id, uuid.uuid4().hex)
             self._subscription_ids[replica_id] = sub.subscription_id
@@ -93,15 +94,29 @@ class OutputDemux:
             # stream it carries, when that one client leaves.
             run = contextvars.Context().run
             self._subscriptions[replica_id] = run(
-                asyncio.ensure_future, self._run_subscription(sub)
+                asyncio.ensure_future, self._run_subscription(sub, channel)
             )
 
-    async def _run_subscription(self, sub: Subscription) -> None:
+    async def _open(self, sub: Subscription, channel: ChannelAddress | None):
+        """The subscription: over a socket to the replica's channel server where it has
+        one and it answers, else Serve's subscribe call."""
+        if channel is not None:
+            try:
+                return await SocketSubscription.connect(channel, sub)
+            except (OSError, asyncio.TimeoutError) as e:
+                logger.warning(
+                    "cannot reach replica %s's channel server at %s:%d (%s): subscribing "
+                    "through Serve", sub.replica_id, channel.host, channel.port, e,
+                )  # fmt: skip
+        return self._subscribe(sub)
+
+    async def _run_subscription(self, sub: Subscription, channel: ChannelAddress | None) -> None:
         replica_id = sub.replica_id
         error: BaseException = SubscriptionLost(f"the subscription to replica {replica_id} ended")
-        call = self._subscribe(sub)
+        call = None
         ended = False  # by the replica: its channel is gone with it
         try:
+            call = await self._open(sub, channel)
             if await anext(call) != replica_id:
                 return  # pinned to a replica that is gone: a later request there retries
             async for batch in call:
@@ -116,7 +131,7 @@ class OutputDemux:
             logger.warning("output subscription to replica %s failed: %s", replica_id, e)
             error = SubscriptionLost(f"the subscription to replica {replica_id} failed: {e}")
         finally:
-            if not ended:
+            if not ended and call is not None:
                 # Whatever broke on this side, the replica must drop its channel too, so
                 # that it stops sending this router's outputs where nobody reads them.
                 call.cancel()
