@@ -83,6 +83,8 @@ class ChannelServer:
                 await self._send(sub, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the router went: its channel is closed already
+        except Exception:  # the router sees the socket close and fails the requests
+            logger.exception("an output subscription failed on this replica")
         finally:
             writer.close()
 
