@@ -23,7 +23,7 @@ from serve_app.code_version import source_digest
 from serve_app.config import AppConfig, PoolConfig
 from serve_app.engine_server import EngineServer
 from serve_app.router import Router
-from serve_app.serve_config import DEPLOYMENT_NAMES, ROUTER_NAME, pool_ongoing_requests, pool_scale
+from serve_app.serve_config import DEPLOYMENT_NAMES, ROUTER_NAME, pool_scale
 from workers.engine import check_transport
 from workers.model import ModelConfig
 from workers.runner import rank_bundle
@@ -47,10 +47,10 @@ def _pin_version(deployment, role: str, replica_args: AppConfig, code_version: s
     return deployment
 
 
-def _pool_options(role: str, pool: PoolConfig, num_routers: int) -> dict[str, Any]:
+def _pool_options(role: str, pool: PoolConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAMES[role],
-        "max_ongoing_requests": pool_ongoing_requests(role, pool, num_routers),
+        "max_ongoing_requests": pool.max_ongoing_requests,
         "max_queued_requests": -1 if pool.max_queued_requests is None else pool.max_queued_requests,
         "ray_actor_options": {
             "num_cpus": pool.num_cpus,
@@ -134,7 +134,7 @@ def build_versioned_app(config: AppConfig, code_version: str) -> Application:
     engine = serve.deployment(EngineServer)
 
     def pool(role: str, *extra: Any):
-        options = _pool_options(role, config.pools()[role], config.router.num_replicas)
+        options = _pool_options(role, config.pools()[role])
         deployment = _pin_version(engine.options(**options), role, replica_args, code_version)
         return deployment.bind(replica_args, role, *extra)
 

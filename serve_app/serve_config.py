@@ -67,27 +67,13 @@ def serve_config(
                 "deployments": [
                     {"name": ROUTER_NAME, "num_replicas": config.router.num_replicas},
                     *(
-                        {
-                            "name": DEPLOYMENT_NAMES[role],
-                            **pool_scale(pool),
-                            "max_ongoing_requests": pool_ongoing_requests(
-                                role, pool, config.router.num_replicas
-                            ),
-                        }
+                        {"name": DEPLOYMENT_NAMES[role], **pool_scale(pool)}
                         for role, pool in config.pools().items()
                     ),
                 ],
             }
         ],
     }
-
-
-def pool_ongoing_requests(role: str, pool: PoolConfig, num_routers: int) -> int:
-    """A pool replica's Serve `max_ongoing_requests`: the requests it admits, plus one slot
-    per router on a replica that streams to routers (aggregated, decode), whose output
-    subscription (streaming/output_channels.py) is an ongoing request of its own there. An override
-    rather than an argument: the router count is not in the application's `args`."""
-    return pool.max_ongoing_requests + (0 if role == "prefill" else num_routers)
 
 
 def pool_scale(pool: PoolConfig) -> dict[str, Any]:

@@ -170,26 +170,22 @@ def test_each_pool_sets_how_long_its_replicas_may_drain(model_dir):
     ] == 300
 
 
-def test_streaming_pools_leave_each_router_a_slot_for_its_output_subscription(model_dir):
-    pools = {"prefill": {"max_ongoing_requests": 4}, "decode": {"max_ongoing_requests": 4}}
+def test_each_pool_replica_admits_its_max_ongoing_requests_whatever_the_router_count(model_dir):
+    """Output subscriptions travel on sockets, not Serve calls, so they take no slot."""
+    pools = {"prefill": {"max_ongoing_requests": 4}, "decode": {"max_ongoing_requests": 6}}
     app = build_app({"model": str(model_dir), "router": {"num_replicas": 2}, **pools})
     slots = {d.name: d._deployment_config.max_ongoing_requests for d in _deployments(app)}
-    assert slots["PrefillServer"] == 4 and slots["DecodeServer"] == 4 + 2
+    assert slots["PrefillServer"] == 4 and slots["DecodeServer"] == 6
     agg = build_app({"model": str(model_dir), "mode": "aggregated"})
     slots = {d.name: d._deployment_config.max_ongoing_requests for d in _deployments(agg)}
-    assert slots["EngineServer"] == 128 + 1
-
-
-def test_a_serve_config_leaves_each_router_a_slot_though_its_args_hold_no_router_count():
-    """A config-file deploy (`serve deploy`, KubeRay) builds the app from args without
-    replica counts, so the slots come with the deployment overrides."""
+    assert slots["EngineServer"] == 128
     config = AppConfig(
         router=RouterConfig(num_replicas=3), decode=PoolConfig(max_ongoing_requests=4)
     )
-    (app,) = serve_config(config)["applications"]
-    assert AppConfig.model_validate(app["args"]).router.num_replicas == 1
-    slots = {d["name"]: d.get("max_ongoing_requests") for d in app["deployments"]}
-    assert slots == {"Router": None, "PrefillServer": 128, "DecodeServer": 4 + 3}
+    (served,) = serve_config(config)["applications"]
+    # A config-file deploy's overrides carry replica counts only; the limits are args.
+    assert all("max_ongoing_requests" not in d for d in served["deployments"])
+    assert AppConfig.model_validate(served["args"]).decode.max_ongoing_requests == 4
 
 
 def test_each_pool_bounds_the_requests_a_router_queues_for_it(model_dir):

@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 from ray import serve
-from service_helpers import KV
+from service_helpers import KV, wait_for
 
 from serve_app.config import AppConfig, PoolConfig, RouterConfig
 from serve_app.ops import node_drain, service_ops
@@ -52,15 +52,20 @@ def _add_node(gcs_address: str):
     return node
 
 
-def _replica_node() -> str:
-    """The node id whose raylet runs the pool's one replica process."""
+def _replica_hosts() -> list[str]:
+    """The node ids whose raylets run a process of the pool's replicas."""
     by_raylet = {pid: node for node, pid in node_drain.raylets().items()}
-    hosts = [
+    return [
         by_raylet[pid]
         for pid in by_raylet
         for process in node_drain.serving_processes(pid)
         if "EngineServer" in " ".join(node_drain.cmdline(process))
     ]
+
+
+def _replica_node() -> str:
+    """The node id whose raylet runs the pool's one replica process."""
+    hosts = _replica_hosts()
     assert len(hosts) == 1, hosts
     return hosts[0]
 
@@ -140,7 +145,10 @@ def test_draining_a_node_moves_its_replica_and_lets_its_stream_finish(two_slots)
     assert states["STOPPING"] < arrivals[-1], "the stream ended first; make it longer"
     assert sum(len(m.token_ids) for m in messages) == TOKENS
     assert messages[-1].usage.completion_tokens == TOKENS
-    assert _replica_node() != node_id  # the replacement, on the other node
+    # The replacement, on the other node: its process may still be starting when the
+    # stream ends.
+    wait_for(lambda: _replica_hosts() not in ([], [node_id]), "the replacement replica")
+    assert _replica_node() != node_id
     with BatonClient(address, application="drain") as client:
         reply = client.generate_unary(generate_request("Hi", max_tokens=4, temperature=0.0))
     assert reply.usage.completion_tokens == 4

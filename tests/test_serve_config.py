@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app.config import AutoscalingConfig, PoolConfig
-from serve_app.serve_config import pool_ongoing_requests, pool_scale
+from serve_app.serve_config import pool_scale
 
 
 def test_a_fixed_pool_is_its_replica_count():
@@ -26,10 +26,3 @@ def test_an_autoscaled_pool_starts_at_its_count_within_its_bounds(start, initial
             "target_ongoing_requests": 8,
         },
     }
-
-
-def test_a_streaming_pool_takes_one_more_call_per_router_for_its_subscription():
-    pool = PoolConfig(max_ongoing_requests=16)
-    assert pool_ongoing_requests("decode", pool, num_routers=3) == 19
-    assert pool_ongoing_requests("aggregated", pool, num_routers=1) == 17
-    assert pool_ongoing_requests("prefill", pool, num_routers=3) == 16

@@ -28,8 +28,9 @@ LONG = 160  # tokens: a stream that runs for seconds on this machine
 
 @pytest.fixture(scope="module")
 def small(ray_cluster, smollm2_dir, serve_ports):
-    # One request at a time per replica (plus the router's output subscription), one
-    # more queued at the router: the third concurrent request finds the service full.
+    # One request at a time per replica (the router's output subscription, a socket,
+    # takes no slot), one more queued at the router: the third concurrent request finds
+    # the service full.
     pool = PoolConfig(kv_cache_bytes=KV, max_ongoing_requests=1, max_queued_requests=1)
     config = AppConfig(mode="aggregated", aggregated=pool)
     service_ops.deploy(config, app_name=APP, route_prefix=f"/{APP}", **serve_ports)
@@ -77,7 +78,7 @@ def test_a_full_service_refuses_at_once_and_serves_what_it_admitted(small):
     with ThreadPoolExecutor(8) as pool:
         admitted = pool.submit(running)
         assert first_token.wait(120), "the first stream did not start"
-        # The router's output subscription holds the replica's other slot.
+        # The later requests are muxed on the router's output subscription.
         wait_for(lambda: _stats()["mux"]["open_subscriptions"] == 1, "the subscription")
         others = [
             pool.submit(_stream_to_end, small["grpc"], f"Tell me about comet {i}.")

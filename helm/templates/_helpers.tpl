@@ -227,18 +227,12 @@ every replica of every pool when one pool is rescaled.
 {{- toJson $args }}
 {{- end }}
 
-{{/* One pool's Serve deployment override: its replica count or its autoscaling and its
-replicas' max_ongoing_requests, as JSON (serve_app.serve_config.serve_config). */}}
+{{/* One pool's Serve deployment override: its replica count or its autoscaling, as JSON
+(serve_app.serve_config.serve_config). */}}
 {{- define "baton.poolScale" -}}
 {{- $pool := index .root.Values .role }}
 {{- $names := dict "aggregated" "EngineServer" "prefill" "PrefillServer" "decode" "DecodeServer" }}
-{{- /* serve_config.pool_ongoing_requests: one slot per router for its output subscription
-on a replica that streams to routers. */}}
-{{- $subscriptions := ternary 0 (int .root.Values.router.replicas) (eq .role "prefill") }}
-{{- $scale := dict
-    "name" (get $names .role)
-    "num_replicas" $pool.replicas
-    "max_ongoing_requests" (add $pool.replica.maxOngoingRequests $subscriptions) }}
+{{- $scale := dict "name" (get $names .role) "num_replicas" $pool.replicas }}
 {{- if $pool.autoscaling.enabled }}
 {{- $a := $pool.autoscaling }}
 {{- $_ := set $scale "num_replicas" nil }}
