@@ -59,7 +59,8 @@ class StreamStart:
     # earlier one to the same replica that ended meanwhile with this call's outputs.
     # None from a replica of an earlier release (mid rolling upgrade): not checked.
     subscription_id: str | None = None
-    # On a call not muxed: where to subscribe over a socket; None: by Serve's call only.
+    # Where the router subscribes over a socket (its first subscription, or a new one
+    # taking over a channel it gave up); None: by Serve's call only.
     channel: ChannelAddress | None = None
 
 

@@ -53,6 +53,8 @@ class ChannelServer:
         listen (routers then subscribe through Serve)."""
         if self._starting is None:
             self._starting = asyncio.ensure_future(self._listen())
+        elif self._starting.done():  # every call after the first: no new future
+            return self._starting.result()
         return await asyncio.shield(self._starting)
 
     async def _listen(self) -> ChannelAddress | None:

@@ -85,7 +85,7 @@ class OutputChannels:
             channel.num_requests += 1
             self.totals.num_muxed_requests += 1
             try:
-                yield StreamStart(self.replica_id, True, channel.subscription_id)
+                yield StreamStart(self.replica_id, True, channel.subscription_id, self.address)
                 async for out in outputs:
                     channel.put(out)
             finally:

@@ -64,7 +64,7 @@ class OutputDemux:
                 if current is None:
                     # The replica still holds a channel this router has given up: a new
                     # subscription takes it over, for the requests after this one.
-                    self._ensure_subscription(start.replica_id)
+                    self._ensure_subscription(start.replica_id, start.channel)
                 # Its outputs went to a subscription that has ended: they are lost.
                 raise SubscriptionLost(f"no subscription to replica {start.replica_id}")
             self._queues[request_id] = (start.replica_id, queue)
@@ -85,7 +85,7 @@ class OutputDemux:
         finally:
             self._queues.pop(request_id, None)
 
-    def _ensure_subscription(self, replica_id: str, channel: ChannelAddress | None = None) -> None:
+    def _ensure_subscription(self, replica_id: str, channel: ChannelAddress | None) -> None:
         if replica_id not in self._subscriptions:
             sub = Subscription(self.router_id, replica_id, uuid.uuid4().hex)
             self._subscription_ids[replica_id] = sub.subscription_id
