@@ -50,6 +50,15 @@ OutputChannel = Literal["grpc", "actor_call"]
 # roughly doubles batched decode and prefill throughput (bench/engine.py --dtype).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
+# How one sequence's decode matmuls from a GGUF model's weight blocks take their input
+# (workers.engine.ACTIVATIONS, which tests/test_config.py holds equal; spelled out so that
+# importing this module imports no engine code): "exact" (the default) float32
+# throughout; "int16" rounds the input to 16 bits per block of 32 and multiplies in
+# integers: a faster single stream, whose greedy output parted from the exact path's on a
+# few prompts in a hundred measured (rare near-ties); "int8" faster still, and parts at
+# near-ties often.
+Activations = Literal["exact", "int16", "int8"]
+
 # Ray's own resources with fields of their own (num_cpus, num_gpus); in `resources` Ray
 # would refuse them only once a replica is placed.
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU")
@@ -130,10 +139,11 @@ class PoolConfig(_Frozen):
     # checked in one step while at most 4 sequences run (workers/engine/speculative.py;
     # greedy output unchanged). 0 turns it off. A prefill replica ignores it.
     speculative_tokens: int = Field(0, ge=0, le=16)
-    # One sequence's decode matmuls from GGUF blocks take their input rounded to 8 bits
-    # (EngineConfig.q8_activations): faster, and greedy output may part from the exact
-    # path's at a near-tie. False: the exact kernels.
-    q8_activations: bool = False
+    # How one sequence's decode matmuls from GGUF blocks take their input
+    # (EngineConfig.activations; Activations above): "exact" (the default: float32
+    # throughout), "int16" or "int8" (faster; greedy output may part from exact's at a
+    # near-tie).
+    activations: Activations = "exact"
 
     @model_validator(mode="after")
     def _budget_per_step(self) -> PoolConfig:
@@ -323,5 +333,5 @@ class AppConfig(_Frozen):
                 if pool.speculative_tokens
                 else None
             ),
-            q8_activations=pool.q8_activations,
+            activations=pool.activations,
         )

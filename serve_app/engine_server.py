@@ -106,7 +106,7 @@ class EngineServer:
         self.engine_setup = {
             "dtype": engine_config.resolved_dtype_name(),
             "tensor_parallel_size": engine_config.tensor_parallel_size,
-            "q8_activations": engine_config.q8_activations,
+            "activations": engine_config.activations,
         }
         logger.info("%s replica %s ready (%s)", role, self.replica_id, model_dir)
 

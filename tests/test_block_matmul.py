@@ -125,8 +125,8 @@ def test_matmul_uses_the_callers_thread_count(rows, monkeypatch):
     torch.testing.assert_close(outs[0], x @ torch.from_numpy(reference).t(), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("q8_activations", [False, True])
-def test_threads_taking_several_chunks_a_grab_cover_every_weight_row(q8_activations):
+@pytest.mark.parametrize("bits", [32, 16, 8])
+def test_threads_taking_several_chunks_a_grab_cover_every_weight_row(bits):
     # 1,000 weight rows: 63 chunks of 16, the last partial; two threads take three
     # chunks a grab (block_kinds.h), so grabs end mid-weight and past its last row.
     weight = np.random.default_rng(4).standard_normal((1000, 64)).astype(np.float32)
@@ -137,12 +137,12 @@ def test_threads_taking_several_chunks_a_grab_cover_every_weight_row(q8_activati
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(blocks.matmul(x, q8_activations=q8_activations))
+            outs.append(blocks.matmul(x, bits))
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-    if q8_activations:
-        expected = torch.from_numpy(_q8_reference(blocks, x[0].numpy())).float()[None]
+    if bits != 32:
+        expected = torch.from_numpy(_rounded_reference(blocks, x[0].numpy(), bits)).float()[None]
     else:
         expected = x @ blocks.dequantize().t()
     torch.testing.assert_close(outs[1], expected, rtol=1e-5, atol=1e-4)
@@ -193,65 +193,83 @@ def test_a_block_source_reads_row_and_block_aligned_column_slices(tmp_path):
             BlockSource(f, "w", "f16")
 
 
-def _rounded_input(x: np.ndarray) -> np.ndarray:
-    """x [K] as q8_matmul.c rounds it, dequantized: per block of 32, d * rint(x * 127 /
-    max|x|) with d = max|x| / 127, in float32 as the kernel computes it."""
+def _rounded_input(x: np.ndarray, bits: int) -> np.ndarray:
+    """x [K] as rounded_matmul.c rounds it to `bits`, dequantized: per block of 32,
+    d * rint(x * L / max|x|) with L = 2^(bits - 1) - 1 and d = max|x| / L, in float32 as
+    the kernel computes it."""
+    levels = np.float32(2 ** (bits - 1) - 1)
     blocks = x.reshape(-1, 32)
     amax = np.abs(blocks).max(axis=1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    inv = np.where(amax > 0, levels / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.rint(blocks * inv)
-    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(-1)
+    return (q.astype(np.float64) * (amax / levels).astype(np.float64)).reshape(-1)
 
 
-def _q8_reference(blocks: WeightBlocks, x: np.ndarray) -> np.ndarray:
-    """What the q8 kernel computes, in float64: the weights' scaled part against the
+def _rounded_reference(blocks: WeightBlocks, x: np.ndarray, bits: int) -> np.ndarray:
+    """What the rounded kernel computes, in float64: the weights' scaled part against the
     rounded input, and (Q4_1) each block's minimum against the exact input's block sum."""
     weight = blocks.dequantize().double().numpy()
     if blocks.min is None:
-        return weight @ _rounded_input(x)
+        return weight @ _rounded_input(x, bits)
     mins = np.repeat(blocks.min.double().numpy(), 32, axis=1)
-    return (weight - mins) @ _rounded_input(x) + mins @ x.astype(np.float64)
+    return (weight - mins) @ _rounded_input(x, bits) + mins @ x.astype(np.float64)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
 @pytest.mark.parametrize("columns", [32, 96, 576])
-def test_q8_activations_multiply_the_rounded_input(kind, columns):
+def test_rounded_activations_multiply_the_rounded_input(bits, kind, columns):
     rng = np.random.default_rng(columns)
     weight = rng.standard_normal((70, columns)).astype(np.float32)
     blocks, _ = gguf_blocks(weight, kind)
     x = rng.standard_normal((1, columns)).astype(np.float32) * 3
     x[0, :32] = 0  # a block of zeros: no scale to divide by
-    got = blocks.matmul(torch.from_numpy(x), q8_activations=True)[0].double().numpy()
-    np.testing.assert_allclose(got, _q8_reference(blocks, x[0]), rtol=1e-5, atol=1e-4)
+    got = blocks.matmul(torch.from_numpy(x), bits)[0].double().numpy()
+    want = _rounded_reference(blocks, x[0], bits)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    if bits == 16 and columns > 32:  # a rounding of its own, far finer than 8 bits'
+        coarse = _rounded_reference(blocks, x[0], 8)
+        assert np.abs(got - want).max() < np.abs(coarse - want).max() / 20
 
 
-def test_q8_activations_take_the_full_int8_range():
-    """Weights of -128 and 127 against inputs at +-127 steps: the largest pair sums the
-    16-bit products must hold."""
+@pytest.mark.parametrize("bits", [16, 8])
+def test_rounded_activations_take_the_full_integer_range(bits):
+    """Weights of -128 and 127 against inputs at the largest steps either way: the
+    largest pair sums the integer products must hold."""
     rows, columns = 4, 64
     qs = torch.tensor([-128, 127] * (rows * columns // 2), dtype=torch.int8)
     blocks = WeightBlocks("q8_0", qs.view(torch.uint8).view(rows, columns), torch.ones(rows, 2))
     x = np.tile(np.float32([-1.0, 1.0]), columns // 2)[None]
-    got = blocks.matmul(torch.from_numpy(x), q8_activations=True)
-    torch.testing.assert_close(got, blocks.matmul(torch.from_numpy(x)), rtol=0, atol=0)
-    assert got[0, 0].item() == 255 * columns / 2
+    got = blocks.matmul(torch.from_numpy(x), bits)
+    torch.testing.assert_close(got, blocks.matmul(torch.from_numpy(x)), rtol=1e-6, atol=0)
+    assert got[0, 0].item() == pytest.approx(255 * columns / 2, rel=1e-6)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
-def test_q8_activations_stay_near_the_exact_product(kind):
+def test_rounded_activations_stay_near_the_exact_product(bits, kind):
     rng = np.random.default_rng(3)
     weight = rng.standard_normal((256, 576)).astype(np.float32)
     blocks, _ = gguf_blocks(weight, kind)
     x = torch.from_numpy(rng.standard_normal((1, 576)).astype(np.float32))
-    exact, rounded = blocks.matmul(x), blocks.matmul(x, q8_activations=True)
+    exact, rounded = blocks.matmul(x), blocks.matmul(x, bits)
     assert not torch.equal(exact, rounded)
-    assert (rounded - exact).norm() / exact.norm() < 0.01
+    # Each element is off by up to half a step of 1/(2^(bits-1) - 1) of its block's
+    # largest value; Q4_1's all-positive weights weigh those errors the most.
+    assert (rounded - exact).norm() / exact.norm() < 2.0 ** (3 - bits)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_q8_activations_leave_batches_to_the_exact_kernel(kind):
+def test_rounded_activations_leave_batches_to_the_exact_kernel(bits, kind):
     weight = np.random.default_rng(4).standard_normal((48, 128)).astype(np.float32)
     blocks, _ = gguf_blocks(weight, kind)
     for rows in (2, 8, 20):
         x = torch.randn(rows, 128)
-        assert torch.equal(blocks.matmul(x, q8_activations=True), blocks.matmul(x)), rows
+        assert torch.equal(blocks.matmul(x, bits), blocks.matmul(x)), rows
+
+
+def test_unknown_activation_bits_are_refused():
+    blocks, _ = gguf_blocks(np.ones((4, 64), dtype=np.float32), "q8_0")
+    with pytest.raises(ValueError, match="activation_bits must be one of"):
+        blocks.matmul(torch.ones(1, 64), 4)

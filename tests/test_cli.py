@@ -94,6 +94,13 @@ def test_the_dtype_choices_are_the_configs():
     assert typing.get_args(DType) == DTYPES
 
 
+def test_the_activations_choices_are_the_configs():
+    from serve_app.config import Activations
+    from serve_app.ops.cli import ACTIVATIONS
+
+    assert typing.get_args(Activations) == ACTIVATIONS
+
+
 @pytest.mark.parametrize(
     ("flags", "where"),
     [

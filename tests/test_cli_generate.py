@@ -173,25 +173,36 @@ def test_local_generation_with_speculation_writes_the_same_text(model_dir, capsy
     assert spec.stats().num_draft_tokens > 0, "the speculating run drafted nothing"
 
 
-def test_local_generation_with_q8_activations_tells_a_model_without_blocks(
+def test_local_generation_takes_the_activations_and_tells_a_model_without_blocks(
     model_dir, capsys, caplog, built_engines
 ):
     args = ["generate", "--local", "--model", str(model_dir), "--max-tokens", "4", "Hello"]
-    with caplog.at_level("WARNING"):
-        assert main([*args, "--q8-activations"]) == 0
-    (engine,) = built_engines
-    assert engine.config.q8_activations
+    with caplog.at_level("INFO"):
+        assert main([*args, "--activations", "int8"]) == 0
     # The tiny test model is float32 safetensors: nothing to take 8-bit input.
-    assert "q8_activations has no effect" in caplog.text
+    assert "8 bits" in caplog.text
     assert capsys.readouterr().out
+    assert main([*args, "--activations", "int16"]) == 0
+    assert main(args) == 0
+    assert [e.config.activations for e in built_engines] == ["int8", "int16", "exact"]
+    assert EngineConfig(model=str(model_dir)).activations == "exact"  # unset: the default
+
+
+def test_unknown_activations_are_refused_naming_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        cli._build_parser().parse_args(["generate", "--local", "--activations", "int4", "Hi"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --activations: invalid choice: 'int4'" in error
+    assert all(choice in error for choice in ("exact", "int16", "int8"))
 
 
 @pytest.mark.parametrize(
-    "flag", [["--dtype", "bfloat16"], ["--speculative-tokens", "4"], ["--q8-activations"]]
+    "flag",
+    [["--dtype", "bfloat16"], ["--speculative-tokens", "4"], ["--activations", "exact"]],
 )
 def test_engine_settings_need_local(flag, capsys):
     assert main(["generate", *flag, "Hello"]) == 2
-    assert "--q8-activations need --local" in capsys.readouterr().err
+    assert "--activations need --local" in capsys.readouterr().err
 
 
 def test_model_help_names_every_bundled_model():

@@ -3,10 +3,12 @@ are in test_app.py): which prefix registry an application's router and replicas 
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 from pydantic import ValidationError
 
-from serve_app.config import AppConfig, PoolConfig
+from serve_app.config import Activations, AppConfig, PoolConfig
 from serve_app.ops.service_ops import Deployed
 from serve_app.routing.registry_names import REGISTRY_NAMESPACE, app_registry_name
 from serve_app.serve_config import serve_config
@@ -56,3 +58,17 @@ def test_the_pools_defaults_are_validated_pools_the_engine_accepts():
     assert AppConfig(prefill=PoolConfig()).model_dump(exclude_defaults=True) == {}
     with pytest.raises(ValidationError, match="max_num_batched_tokens"):
         AppConfig.model_validate({"decode": {"max_num_seqs": 8, "max_num_batched_tokens": 4}})
+
+
+def test_the_activations_are_the_engines_and_others_are_refused_naming_the_field():
+    from workers.engine import ACTIVATIONS, EngineConfig
+
+    assert typing.get_args(Activations) == ACTIVATIONS
+    assert PoolConfig().activations == EngineConfig(model="m").activations == "exact"
+    with pytest.raises(ValidationError) as err:
+        PoolConfig(activations="int4")
+    ((error,),) = [err.value.errors()]
+    assert error["loc"] == ("activations",)
+    assert "'exact', 'int16' or 'int8'" in error["msg"]
+    with pytest.raises(ValidationError, match=r"decode\.activations"):
+        AppConfig.model_validate({"decode": {"activations": True}})

@@ -78,11 +78,13 @@ def test_fused_steps_give_the_modules_floats(gguf_model):
     assert torch.equal(fused.kv_cache, modules.kv_cache)
 
 
-def test_fused_steps_with_q8_activations_give_the_modules_floats(gguf_model):
-    fused = ModelRunner(gguf_model, 32, BLOCK, 128, q8_activations=True)
-    modules = ModelRunner(gguf_model, 32, BLOCK, 128, q8_activations=True)
+@pytest.mark.parametrize("bits", [16, 8])
+def test_fused_steps_with_rounded_activations_give_the_modules_floats(gguf_model, bits):
+    fused = ModelRunner(gguf_model, 32, BLOCK, 128, activation_bits=bits)
+    modules = ModelRunner(gguf_model, 32, BLOCK, 128, activation_bits=bits)
     exact = _runner(gguf_model)
-    assert fused.model.fused_decode is not None and fused.model.fused_decode._shape.q8_activations
+    assert fused.model.fused_decode is not None
+    assert fused.model.fused_decode._shape.activation_bits == bits
     modules.model.fused_decode = None
     got, want = _run(fused, SCHEDULE), _run(modules, SCHEDULE)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
@@ -99,13 +101,17 @@ def test_the_engine_option_reaches_every_projection(gguf_model):
     from workers.engine.llm_engine import LLMEngine
     from workers.model.parallel import PackableLinear
 
-    engine = LLMEngine(EngineConfig(model=str(gguf_model), q8_activations=True))
-    model = engine.runner.model
-    with_blocks = [
-        m for m in model.modules() if isinstance(m, PackableLinear) and m.blocks is not None
-    ]
-    assert with_blocks and all(m.q8_activations for m in with_blocks)
-    assert model.fused_decode is not None and model.fused_decode._shape.q8_activations
+    for activations, bits in (("int8", 8), ("int16", 16), (None, 32)):
+        options = {} if activations is None else {"activations": activations}
+        engine = LLMEngine(EngineConfig(model=str(gguf_model), **options))
+        model = engine.runner.model
+        with_blocks = [
+            m for m in model.modules() if isinstance(m, PackableLinear) and m.blocks is not None
+        ]
+        assert with_blocks and all(m.activation_bits == bits for m in with_blocks)
+        assert model.fused_decode is not None and model.fused_decode._shape.activation_bits == bits
+    with pytest.raises(ValueError, match="activations must be one of exact, int16, int8"):
+        EngineConfig(model=str(gguf_model), activations="int4")
 
 
 def test_pure_decode_steps_run_without_the_modules(gguf_model):

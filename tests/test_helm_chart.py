@@ -16,7 +16,7 @@ import helm_python as helm
 import pytest
 from helm_chart_helpers import CHART, KUBE_VERSION, RELEASE, value_sets
 
-from serve_app.config import DType, Mode, Transport
+from serve_app.config import Activations, DType, Mode, Transport
 
 
 def test_schema_enums_are_the_config_literals(chart):
@@ -25,6 +25,7 @@ def test_schema_enums_are_the_config_literals(chart):
     assert tuple(props["mode"]["enum"]) == typing.get_args(Mode)
     pool = chart.schema["definitions"]["pool"]["properties"]["replica"]["properties"]
     assert tuple(pool["dtype"]["enum"]) == typing.get_args(DType)
+    assert tuple(pool["activations"]["enum"]) == typing.get_args(Activations)
 
 
 @value_sets
@@ -43,6 +44,11 @@ def test_lint_strict_is_clean(values):
         ({"transport": "carrier-pigeon"}, ["/transport", "object_store"]),
         ({"mode": "both"}, ["/mode", "disaggregated"]),
         ({"decode": {"replica": {"dtype": "fp8"}}}, ["/decode/replica/dtype", "bfloat16"]),
+        (
+            {"decode": {"replica": {"activations": "int4"}}},
+            ["/decode/replica/activations", "exact"],
+        ),
+        ({"prefill": {"replica": {"q8Activations": True}}}, ["/prefill/replica", "q8Activations"]),
         ({"prefill": {"tensorParallelSize": 0}}, ["/prefill/tensorParallelSize"]),
         ({"prefill": {"replicaz": 2}}, ["/prefill", "replicaz"]),
         (

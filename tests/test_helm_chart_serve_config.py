@@ -103,7 +103,7 @@ def _expected_app_config(v: dict[str, Any]) -> AppConfig:
             "max_queued_requests": r.get("maxQueuedRequests"),
             "graceful_shutdown_timeout_s": r["gracefulShutdownTimeoutS"],
             "speculative_tokens": r["speculativeTokens"],
-            "q8_activations": r["q8Activations"],
+            "activations": r["activations"],
         }
         a = p["autoscaling"]
         if a["enabled"]:

@@ -44,16 +44,33 @@ def test_threads_apply_to_every_pool_and_are_checked(model_dir):
         _build_parser().parse_args(["serve", "--threads", "many"])
 
 
-def test_q8_activations_turn_on_for_every_pool_and_stay_off_by_default(model_dir, tmp_path):
-    args = _build_parser().parse_args(["serve", "--model", str(model_dir), "--q8-activations"])
+def test_activations_apply_to_every_pool_and_default_to_exact(model_dir, tmp_path):
+    args = _build_parser().parse_args(["serve", "--model", str(model_dir), "--activations", "int8"])
     config = app_config_from_args(args)
-    assert all(getattr(config, pool).q8_activations for pool in config.pools())
+    assert {getattr(config, pool).activations for pool in config.pools()} == {"int8"}
     engine = config.engine_config(config.decode, str(model_dir), "m")
-    assert engine.q8_activations
+    assert engine.activations == "int8"
     default = app_config_from_args(_build_parser().parse_args(["serve"]))
-    assert not any(getattr(default, pool).q8_activations for pool in default.pools())
-    # Without the flag, a file's setting stands.
+    assert {getattr(default, pool).activations for pool in default.pools()} == {"exact"}
+    engine = default.engine_config(default.decode, str(model_dir), "m")
+    assert engine.activations == "exact"
+    # Without the flag, a file's setting stands; with it, the flag wins.
     path = tmp_path / "app.yaml"
-    path.write_text(f"model: {model_dir}\ndecode:\n  q8_activations: true\n")
+    path.write_text(f"model: {model_dir}\ndecode:\n  activations: int16\n")
     config = app_config_from_args(_build_parser().parse_args(["serve", "--config", str(path)]))
-    assert config.decode.q8_activations and not config.prefill.q8_activations
+    assert (config.decode.activations, config.prefill.activations) == ("int16", "exact")
+    flagged = ["serve", "--config", str(path), "--activations", "int8"]
+    config = app_config_from_args(_build_parser().parse_args(flagged))
+    assert (config.decode.activations, config.prefill.activations) == ("int8", "int8")
+
+
+def test_unknown_activations_are_refused_naming_the_choices(model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(["serve", "--activations", "int4"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --activations: invalid choice: 'int4'" in error
+    assert all(choice in error for choice in ("exact", "int16", "int8"))
+    path = tmp_path / "app.yaml"
+    path.write_text(f"model: {model_dir}\ndecode:\n  activations: int4\n")
+    with pytest.raises(ValueError, match=r"decode\.activations: .*'exact', 'int16' or 'int8'"):
+        app_config_from_args(_build_parser().parse_args(["serve", "--config", str(path)]))

@@ -3,8 +3,11 @@ an older release that post fewer fields (the whole path runs in test_service.py)
 
 from __future__ import annotations
 
+import pytest
+
+from serve_app.config import PoolConfig
 from serve_app.gpu_telemetry import GpuDevice, GpuReport
-from serve_app.ops.status_text import status_lines
+from serve_app.ops.status_text import DEFAULT_ACTIVATIONS, status_lines
 
 
 def _engine(free: int, total: int = 64, running: int = 0, hit_rate: float = 0.0) -> dict:
@@ -73,21 +76,35 @@ def test_a_replica_of_an_older_release_and_one_without_gpus_are_shown_as_far_as_
     assert lines[5].strip() == "GPUs: none (no NVIDIA GPU here)"
 
 
-def test_a_replica_on_8_bit_activations_says_so():
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_a_replica_on_other_than_the_default_activations_says_so(activations):
     replica = {
         "role": "decode",
         "replica_id": "q",
         "dtype": "float32",
         "tensor_parallel_size": 1,
-        "q8_activations": True,
+        "activations": activations,
         "engine": _engine(free=64),
         "handoff": {"num_handoffs": 0},
     }
     assert status_lines(_report(replica))[2].split()[:6] == [
-        *("decode", "q", "float32", "tp1", "q8-activations", "running"),
+        *("decode", "q", "float32", "tp1", f"activations={activations}", "running"),
     ]
-    exact = status_lines(_report({**replica, "q8_activations": False}))[2]
-    assert "q8" not in exact
+
+
+def test_the_default_activations_go_unsaid():
+    assert PoolConfig().activations == DEFAULT_ACTIVATIONS == "exact"
+    older = {  # an older release's replica posts none
+        "role": "decode",
+        "replica_id": "q",
+        "dtype": "float32",
+        "tensor_parallel_size": 1,
+        "engine": _engine(free=64),
+        "handoff": {"num_handoffs": 0},
+    }
+    for replica in (older, {**older, "activations": DEFAULT_ACTIVATIONS}):
+        line = status_lines(_report(replica))[2]
+        assert "activations" not in line and line.split()[4] == "running"
 
 
 def test_why_an_application_or_deployment_is_not_running_is_shown_and_imports_wait():

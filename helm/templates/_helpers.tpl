@@ -222,7 +222,7 @@ every replica of every pool when one pool is rescaled.
     "max_ongoing_requests" $r.maxOngoingRequests
     "max_queued_requests" $r.maxQueuedRequests
     "speculative_tokens" $r.speculativeTokens
-    "q8_activations" $r.q8Activations
+    "activations" $r.activations
     "graceful_shutdown_timeout_s" $r.gracefulShutdownTimeoutS }}
 {{- toJson $args }}
 {{- end }}

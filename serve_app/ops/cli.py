@@ -30,6 +30,15 @@ log = logging.getLogger("baton")
 # serve_app.config.DType's values (tests/test_cli.py holds them equal), spelled out so
 # that building the parser imports neither pydantic, protobuf nor torch.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# serve_app.config.Activations' values (tests/test_cli.py holds them equal), spelled out
+# for the same reason.
+ACTIVATIONS = ("exact", "int16", "int8")
+ACTIVATIONS_HELP = (
+    "how one-sequence decode matmuls from a GGUF model's weight blocks take their input: "
+    "exact (the default: float32 throughout), int16 (rounded to 16 bits per block of 32: "
+    "a faster single stream, greedy output parts from exact's at rare near-ties) or int8 "
+    "(faster still; parts at near-ties often)"
+)
 # The bundled names are workers.model.BUNDLED_MODELS' (test_cli checks): spelled out here
 # because importing that face would load torch, and `baton --help` must stay instant.
 MODEL_HELP = (
@@ -92,9 +101,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with --local: n-gram speculative decoding, up to N drafted tokens a step (0: off)",
     )
     gen.add_argument(
-        "--q8-activations",
-        action="store_true",
-        help="with --local: one-sequence decode matmuls take their input rounded to 8 bits",
+        "--activations",
+        choices=ACTIVATIONS,
+        default=None,
+        help=f"with --local: {ACTIVATIONS_HELP}",
     )
     add_sampling_args(gen)
 
@@ -125,11 +135,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "default: the machine's cores, shared step by step among the replicas busy on it)",
     )
     serve.add_argument(
-        "--q8-activations",
-        action="store_true",
-        help="every pool's one-sequence decode matmuls take their input rounded to 8 bits: "
-        "faster on GGUF models, and greedy output may differ from the exact path's at a "
-        "near-tie (default off)",
+        "--activations",
+        choices=ACTIVATIONS,
+        default=None,
+        help=f"every pool's: {ACTIVATIONS_HELP}",
     )
     serve.add_argument(
         "--http-port",

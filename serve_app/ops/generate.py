@@ -57,9 +57,9 @@ def _write(text: str) -> None:
 def generate(args: argparse.Namespace) -> int:
     messages = _messages(args)
     if not args.local:
-        if args.dtype is not None or args.speculative_tokens or args.q8_activations:
+        if args.dtype is not None or args.speculative_tokens or args.activations is not None:
             raise ValueError(
-                "--dtype, --speculative-tokens and --q8-activations need --local: the service "
+                "--dtype, --speculative-tokens and --activations need --local: the service "
                 "runs what it was deployed with"
             )
         return _generate_remote(args, messages)
@@ -78,12 +78,11 @@ def generate(args: argparse.Namespace) -> int:
     speculative = (
         SpeculativeConfig(num_tokens=args.speculative_tokens) if args.speculative_tokens else None
     )
+    # Unset: EngineConfig's default.
+    activations = {} if args.activations is None else {"activations": args.activations}
     engine = LLMEngine(
         EngineConfig(
-            model=model,
-            dtype=args.dtype or "auto",
-            speculative=speculative,
-            q8_activations=args.q8_activations,
+            model=model, dtype=args.dtype or "auto", speculative=speculative, **activations
         )
     )
     if messages is not None:

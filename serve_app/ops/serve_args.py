@@ -30,7 +30,7 @@ def app_config_from_args(args: argparse.Namespace) -> AppConfig:
             "tensor_parallel_size": getattr(args, f"{pool}_tp"),
             "dtype": args.dtype,
             "num_threads": args.threads,
-            "q8_activations": True if args.q8_activations else None,
+            "activations": args.activations,
         }
         overrides = {k: v for k, v in flags.items() if v is not None}
         if overrides:  # a pool key left empty in the file (`decode:`) loads as None

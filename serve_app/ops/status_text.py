@@ -1,5 +1,6 @@
 """`baton status`'s text: one line per deployment, then per replica its role, dtype, TP
-degree, load, KV blocks in use, prefix hit rate and handoffs, and its GPUs.
+degree, activations (where not the default), load, KV blocks in use, prefix hit rate and
+handoffs, and its GPUs.
 
 Reports come from `service_ops.status()`, whose replica entries are what each replica
 last posted to the status board: during a rolling upgrade some are an older release's,
@@ -9,6 +10,18 @@ so fields added since are read with a default.
 from __future__ import annotations
 
 from serve_app.serve_config import DEPLOYMENT_NAMES
+
+# PoolConfig.activations' default (tests/test_status_text.py holds them equal), which the
+# text leaves out, so that a line shows activations=int16 or int8 (a replica whose greedy
+# output may part from exact's) and not exact; spelled out so that `baton status` needs
+# no pydantic model to print.
+DEFAULT_ACTIVATIONS = "exact"
+
+
+def _activations(replica: dict) -> str:
+    # .get: a replica of an older release, mid rolling upgrade, does not post them.
+    activations = replica.get("activations", DEFAULT_ACTIVATIONS)
+    return f" activations={activations}" if activations != DEFAULT_ACTIVATIONS else ""
 
 
 def _local_prefills(handoff: dict) -> str:
@@ -45,7 +58,7 @@ def status_lines(report: dict) -> list[str]:
             # .get: a replica of an older release, mid rolling upgrade, posts neither.
             f"  {r['role']:<10} {r['replica_id']:<10} {r.get('dtype', '?')} "
             f"tp{r.get('tensor_parallel_size', '?')}"
-            f"{' q8-activations' if r.get('q8_activations') else ''}  "
+            f"{_activations(r)}  "
             f"running {e['num_running']:>3} "
             f"waiting {waiting:>3}  KV {used}/{e['num_total_blocks']} blocks  "
             f"prefix hit rate {e['prefix_cache_hit_rate']:.2f}  "

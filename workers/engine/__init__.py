@@ -8,7 +8,12 @@ requests, outputs, errors and the KV handoff that crosses between processes.
 
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.block_hash import BlockHash, hash_full_blocks, root_hash
-from workers.engine.config import EngineConfig, SpeculativeConfig, kv_cache_bytes_per_block
+from workers.engine.config import (
+    ACTIVATIONS,
+    EngineConfig,
+    SpeculativeConfig,
+    kv_cache_bytes_per_block,
+)
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.grammar_compiler import GrammarCompiler
 from workers.engine.handoff.handle import KVHandle, StalePrefixError
@@ -41,6 +46,7 @@ from workers.errors import (
 from workers.kv.transport import KVPart, KVRef, KVTransferError, check_transport
 
 __all__ = [
+    "ACTIVATIONS",
     "CONTEXT_LENGTH_EXCEEDED",
     "MAX_LOGIT_BIAS_TOKENS",
     "MAX_LOGPROBS",

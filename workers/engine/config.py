@@ -10,9 +10,12 @@ import torch
 from workers.engine.scheduler import SchedulerConfig
 from workers.kv.kv_groups import KVCacheGroups
 from workers.kv.transport import check_transport
+from workers.model.block_matmul import ACTIVATION_BITS
 from workers.model.config import ModelConfig
 from workers.runner.tp_group import TP_PLACEMENTS
 
+# EngineConfig.activations' choices, most exact first.
+ACTIVATIONS = tuple(ACTIVATION_BITS)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -99,13 +102,24 @@ class EngineConfig:
     detokenize: bool = True
     # None: one token per sequence and step.
     speculative: SpeculativeConfig | None = None
-    # One sequence's decode matmuls from a GGUF's weight blocks take their input rounded
-    # to 8 bits per block of 32 and multiply in integers (csrc/q8_matmul.c): a faster
-    # single stream, whose greedy output can part from the exact path's at a near-tie
-    # (bench/q8_agreement.py measures how often). False: the exact kernels.
-    q8_activations: bool = False
+    # How one sequence's decode matmuls from a GGUF's weight blocks take their input
+    # (csrc/rounded_matmul.c). "exact": float32 throughout, the fidelity reference.
+    # "int16": rounded to 16 bits per block of 32 (off by at most 1/65534 of the block's
+    # largest value) and multiplied in integers: a faster single stream, whose greedy
+    # output parts from the exact path's at rare near-ties. "int8": faster still, and it
+    # parts at near-ties often (bench/activation_agreement.py measures both).
+    activations: str = "exact"
+
+    @property
+    def activation_bits(self) -> int:
+        """The bits one-row block matmuls round their input to; 32: exact."""
+        return ACTIVATION_BITS[self.activations]
 
     def __post_init__(self) -> None:
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(
+                f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}"
+            )
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.kv_cache_bytes < 1:

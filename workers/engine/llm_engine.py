@@ -98,7 +98,7 @@ class LLMEngine:
             self.max_model_len,
             dtype,
             config.resolved_device(),
-            config.q8_activations,
+            config.activation_bits,
         )
         self.runner: ModelRunner | TPWorkerGroup
         if tp == 1:

@@ -9,10 +9,11 @@ multiplies in float32 in registers, which is the same arithmetic as on the dequa
 weights up to rounding order (the blocks *are* the model: the float32 copy was made
 from them). Batches of over 8 rows are compute-bound; the kernel then dequantizes a
 few weight rows at a time into cache and runs an outer-product micro-kernel over all
-rows at once, which beats oneDNN's float32 GEMM there. Prefill-sized batches stay with
-oneDNN (`MAX_ROWS`). With the q8-activations option (`EngineConfig.q8_activations`) a
-one-row call first rounds x to 8 bits per block and multiplies in integers
-(`csrc/q8_matmul.c`): faster, and no longer the float32 arithmetic.
+rows at once, which beats oneDNN's float32 GEMM up to 128 rows where oneDNN has AVX2
+alone, and loses from 16 where it has AVX-512 (`block_rows_limit`); larger batches stay
+with oneDNN. A one-row call may first round x to 16 or 8 bits per block and multiply
+in integers (`csrc/rounded_matmul.c`, `EngineConfig.activations`): faster, and no
+longer the float32 arithmetic.
 
 The kernel is one of Baton's CPU kernels (kernels.py); without a compiler or AVX2 the
 model runs on its float32 weights alone, as every non-GGUF model does.
@@ -45,9 +46,24 @@ SCALES_PER_BLOCK = {"q4_1": 1, "q8_0": 1, "q8_16": 2}
 KIND_IDS = {"q4_1": 0, "q8_0": 1, "q8_16": 2}  # csrc/block_kinds.h's enum
 KNOWN_KINDS = ",".join(sorted(QS_BYTES))
 # Rows up to which the block kernel beats oneDNN's float32 one over a whole model's
-# weights (not cached): past it, the float32 matmul's better reuse of each weight wins
-# (bench/RESULTS.md, "Model kernels").
-MAX_ROWS = 128
+# weights (not cached), by the vector width oneDNN has (torch's CPU capability): past
+# it, the float32 matmul's better reuse of each weight wins. The block kernel is AVX2;
+# where oneDNN runs AVX-512 it does twice the float32 work an instruction and wins from
+# 16 rows (bench/RESULTS.md, "Model kernels").
+MAX_ROWS = {"AVX512": 8}
+MAX_ROWS_DEFAULT = 128
+# How a one-row matmul takes its input (EngineConfig.activations): float32 as it is, or
+# rounded to 16 or 8 bits per block of 32 (csrc/rounded_matmul.c); the value is the bits.
+ACTIVATION_BITS = {"exact": 32, "int16": 16, "int8": 8}
+
+
+@functools.cache
+def block_rows_limit(capability: str | None = None) -> int:
+    """Rows up to which a matmul takes the block kernel, on a CPU of this capability
+    (torch.backends.cpu.get_cpu_capability(), this one's by default)."""
+    if capability is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+    return MAX_ROWS.get(capability, MAX_ROWS_DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -122,9 +138,10 @@ class WeightBlocks:
         # Addresses are this process's: a copy or another process works them out anew.
         return {k: v for k, v in self.__dict__.items() if k != "_kernel_args"}
 
-    def matmul(self, x: torch.Tensor, q8_activations: bool = False) -> torch.Tensor:
-        """x [M, K] float32 @ weight.T -> [M, N]; with `q8_activations` a single row's
-        blocks are rounded to 8 bits first (csrc/q8_matmul.c; more rows stay exact)."""
+    def matmul(self, x: torch.Tensor, activation_bits: int = 32) -> torch.Tensor:
+        """x [M, K] float32 @ weight.T -> [M, N]; with `activation_bits` 16 or 8 a single
+        row's blocks are rounded to that many bits first (csrc/rounded_matmul.c; more
+        rows stay exact), with 32 none are."""
         lib = kernels.library()
         if lib is None:
             raise RuntimeError("Baton's CPU kernels are not built (see kernels.library)")
@@ -133,8 +150,15 @@ class WeightBlocks:
             raise RuntimeError(f"block matmul takes float32 [M, {k}], got {x.shape}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        fn = lib.baton_block_matmul_q8 if q8_activations else lib.baton_block_matmul
+        if activation_bits not in ACTIVATION_BITS.values():
+            raise ValueError(
+                f"activation_bits must be one of {sorted(ACTIVATION_BITS.values())}, "
+                f"got {activation_bits}"
+            )
+        rounded = () if activation_bits == 32 else (activation_bits,)
+        fn = lib.baton_block_matmul_rounded if rounded else lib.baton_block_matmul
         status = fn(
+            *rounded,
             kind,
             x.data_ptr(),
             x.shape[0],

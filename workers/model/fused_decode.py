@@ -6,8 +6,8 @@ converting its arguments. `csrc/decode_layers.c` runs the same kernels with the 
 arguments in one call, so its floats are the module path's, bit for bit; the layer
 table it walks (weights, norms, caches) is built here once, when the caches are bound.
 
-With 8-bit activations (`EngineConfig.q8_activations`) every projection calls
-`csrc/q8_matmul.c` instead, as the modules then do.
+With a one-row input rounded to 16 or 8 bits (`EngineConfig.activations`) every
+projection calls `csrc/rounded_matmul.c`, as the modules then do.
 
 It runs where every one of those kernels would: a `LlamaModel` of the Llama family's
 own layers (not Qwen3's, Gemma's or a mixture of experts), on one rank, float32 on the
@@ -25,7 +25,7 @@ from torch import nn
 
 from workers.model import kernels
 from workers.model.attention import AttentionMetadata
-from workers.model.block_matmul import KIND_IDS, MAX_ROWS
+from workers.model.block_matmul import KIND_IDS, block_rows_limit
 from workers.model.mlp import GatedMLP, silu_mul
 from workers.model.norm import RMSNorm
 from workers.model.parallel import PackableLinear
@@ -61,7 +61,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         *(("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64)),
         *(("intermediate", _i64), ("eps", _f32), ("scale", _f32)),
-        ("q8_activations", _i64),
+        ("activation_bits", _i64),
     ]
 
 
@@ -114,7 +114,7 @@ class FusedDecode:
             intermediate=gate_up.shape[0] // 2,
             eps=model.norm.eps,
             scale=attn.attn.score_scale,
-            q8_activations=attn.qkv_proj.q8_activations,
+            activation_bits=attn.qkv_proj.activation_bits,
         )
         if not _kernels_take(shape):
             return None
@@ -138,7 +138,7 @@ class FusedDecode:
         """Whether a step of `rows` tokens with this metadata is pure decode that the
         kernels run as the modules would."""
         return (
-            0 < rows <= MAX_ROWS
+            0 < rows <= block_rows_limit()
             and len(meta) == self._num_groups
             and all(not m.prefills and m.num_decode == rows for m in meta)
         )
@@ -236,12 +236,12 @@ def _layer(layer: nn.Module, shape: _Shape, held: list[torch.Tensor]) -> _Layer 
         return None
     q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     hidden, intermediate = shape.hidden, shape.intermediate
-    q8 = bool(shape.q8_activations)
+    bits = shape.activation_bits
     projections = [
-        _projection(attn.qkv_proj, q_width + 2 * kv_width, hidden, q8, held),
-        _projection(attn.o_proj, hidden, q_width, q8, held),
-        _projection(mlp.gate_up_proj, 2 * intermediate, hidden, q8, held),
-        _projection(mlp.down_proj, hidden, intermediate, q8, held),
+        _projection(attn.qkv_proj, q_width + 2 * kv_width, hidden, bits, held),
+        _projection(attn.o_proj, hidden, q_width, bits, held),
+        _projection(mlp.gate_up_proj, 2 * intermediate, hidden, bits, held),
+        _projection(mlp.down_proj, hidden, intermediate, bits, held),
     ]
     if any(p is None for p in projections):
         return None
@@ -259,15 +259,15 @@ def _layer(layer: nn.Module, shape: _Shape, held: list[torch.Tensor]) -> _Layer 
 
 
 def _projection(
-    linear: PackableLinear, n: int, k: int, q8: bool, held: list[torch.Tensor]
+    linear: PackableLinear, n: int, k: int, bits: int, held: list[torch.Tensor]
 ) -> _Projection | None:
     """A projection [n, k] by its blocks; None without blocks of that shape, with a bias
-    (no GGUF the import takes has one), on a TP group of more than one rank, or taking
-    8-bit activations where the table's `q8` says otherwise (one setting for all)."""
+    (no GGUF the import takes has one), on a TP group of more than one rank, or rounding
+    its input to other bits than the table's (one setting for all)."""
     blocks = linear.blocks
     if blocks is None or blocks.shape != (n, k) or linear.bias is not None:
         return None
-    if linear.q8_activations != q8:
+    if linear.activation_bits != bits:
         return None
     if linear.tp.size != 1:
         return None

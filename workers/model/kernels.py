@@ -1,7 +1,8 @@
 """Baton's own CPU kernels (`csrc/*.c`): built once per machine, called through ctypes.
 
 - `baton_block_matmul`: small-batch matmuls from GGUF blocks (block_matmul.py), and
-  `baton_block_matmul_q8`: the same with 8-bit activations (the q8-activations option);
+  `baton_block_matmul_rounded`: one row of the same with its input rounded to 16 or 8
+  bits (EngineConfig.activations);
 - `baton_paged_decode_attention`: decode attention read through block tables (over the
   whole context or a sliding window), and
   `baton_write_kv`: a step's new K/V into their cache slots (attention.py);
@@ -51,7 +52,19 @@ _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Exported function -> argument types; every one returns an int status (0: done).
 _PROTOTYPES = {
     "baton_block_matmul": [_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _int],
-    "baton_block_matmul_q8": [_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _int],
+    "baton_block_matmul_rounded": [
+        _int,
+        _int,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _int,
+    ],
     "baton_paged_decode_attention": [
         *(_ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64),
         *(_int, _int, _int, _int, ctypes.c_float, _i64, _ptr, _int),
@@ -63,6 +76,7 @@ _PROTOTYPES = {
     "baton_gelu_tanh_mul": [_ptr, _i64, _i64, _ptr, _int],
     "baton_decode_layers": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
     "baton_team_max_rows": [],
+    "baton_rounded_avx512": [_int],
 }
 
 _lock = threading.Lock()

@@ -22,7 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import kernels
-from workers.model.block_matmul import BLOCK_SIZE, MAX_ROWS, BlockSource, WeightBlocks
+from workers.model.block_matmul import (
+    BLOCK_SIZE,
+    BlockSource,
+    WeightBlocks,
+    block_rows_limit,
+)
 from workers.model.config import kv_shards
 
 log = logging.getLogger(__name__)
@@ -121,11 +126,11 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None
     weight_t: torch.Tensor | None = None
     # The GGUF's own blocks of this weight (block_matmul.py), for batches of up to
-    # `MAX_ROWS` rows; they replace the transposed one-row copy.
+    # `block_rows_limit()` rows; they replace the transposed one-row copy.
     blocks: WeightBlocks | None = None
-    # Whether `blocks` take their input rounded to 8 bits per block (the q8-activations
-    # option, block_matmul.py); the exact kernel when False.
-    q8_activations: bool = False
+    # The bits `blocks` round a one-row input to per block (16 or 8,
+    # EngineConfig.activations; block_matmul.py); 32 runs the exact kernel.
+    activation_bits: int = 32
 
     def pack(self) -> None:
         if self.blocks is not None and kernels.library() is None:
@@ -144,11 +149,8 @@ class PackableLinear(nn.Module):
         self.weight = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.blocks is not None and x.shape[0] <= MAX_ROWS:
-            if self.q8_activations:
-                out = self.blocks.matmul(x, q8_activations=True)
-            else:
-                out = self.blocks.matmul(x)
+        if self.blocks is not None and x.shape[0] <= block_rows_limit():
+            out = self.blocks.matmul(x, self.activation_bits)
             return out if bias is None else out + bias
         if self.packed is None:
             return F.linear(x, self.weight, bias)

@@ -40,18 +40,20 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         tp: TPGroup | None = None,
-        q8_activations: bool = False,
+        activation_bits: int = 32,
     ):
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.model = load_model(model_dir, tp, max_model_len, dtype, self.device)
-        if q8_activations and not self.model.use_q8_activations():
-            logger.warning(
-                "q8_activations has no effect on %s: it has no GGUF weight blocks on this "
-                "device (a model converted from a GGUF, on a CPU with AVX2, has them)",
+        if activation_bits != 32 and not self.model.round_activations(activation_bits):
+            logger.info(
+                "%s runs its matmuls on float32 input: rounding it to %d bits applies to "
+                "GGUF weight blocks, which it has none of on this device (a model converted "
+                "from a GGUF, on a CPU with AVX2, has them)",
                 model_dir,
+                activation_bits,
             )
         # Which share of the KV heads this rank holds, of how many: a handoff moves one
         # part per share (ranks replicating a head hold the same share).
@@ -94,7 +96,7 @@ class ModelRunner:
             spec.dtype,
             spec.device,
             tp,
-            spec.q8_activations,
+            spec.activation_bits,
         )
 
     @torch.inference_mode()

@@ -18,6 +18,6 @@ class RunnerSpec:
     max_model_len: int
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    # Small-batch matmuls from GGUF blocks take their input rounded to 8 bits
-    # (EngineConfig.q8_activations).
-    q8_activations: bool = False
+    # The bits one-row matmuls from GGUF blocks round their input to, 32 for none
+    # (EngineConfig.activations).
+    activation_bits: int = 32

@@ -1,4 +1,4 @@
-/* The GGUF weight blocks block_matmul.c and q8_matmul.c read (included, not compiled on
+/* The GGUF weight blocks block_matmul.c and rounded_matmul.c read (included, not compiled on
  * its own): 32 weights a block along K, in one of three kinds whose ids are
  * block_matmul.py's KIND_IDS. */
 #ifndef BATON_BLOCK_KINDS_H
@@ -22,13 +22,13 @@ static inline int64_t chunks_per_grab(int64_t chunks, int num_threads) {
   return c > 1 ? c : 1;
 }
 
-/* y[M, N] = x[M, K] @ W^T, exact (block_matmul.c) and with x rounded to 8 bits for one
- * row (q8_matmul.c). */
+/* y[M, N] = x[M, K] @ W^T, exact (block_matmul.c) and with one row of x rounded to 16
+ * or 8 bits (rounded_matmul.c). */
 int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                        const float *scale, const float *min, float *y, int64_t N,
                        int num_threads);
-int baton_block_matmul_q8(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
-                          const float *scale, const float *min, float *y, int64_t N,
-                          int num_threads);
+int baton_block_matmul_rounded(int bits, int kind, const float *x, int64_t M, int64_t K,
+                               const uint8_t *qs, const float *scale, const float *min,
+                               float *y, int64_t N, int num_threads);
 
 #endif

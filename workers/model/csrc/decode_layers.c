@@ -54,18 +54,21 @@ typedef struct {
   int64_t max_blocks;
 } BatonDecodeGroup;
 
-/* The model's shape, the attention's constants, and whether the projections take
- * their input rounded to 8 bits (q8_matmul.c) or exact. */
+/* The model's shape, the attention's constants, and the bits the projections round a
+ * one-row input to (16 or 8, rounded_matmul.c), or 32: exact. */
 typedef struct {
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
-  int64_t q8_activations;
+  int64_t activation_bits;
 } BatonDecodeShape;
 
 static int project(const BatonDecodeShape *shape, const BatonProjection *p, const float *x,
                    int64_t T, float *y, int num_threads) {
-  return (shape->q8_activations ? baton_block_matmul_q8 : baton_block_matmul)(
-      (int)p->kind, x, T, p->k, p->qs, p->scale, p->min, y, p->n, num_threads);
+  if (shape->activation_bits == 32)
+    return baton_block_matmul((int)p->kind, x, T, p->k, p->qs, p->scale, p->min, y, p->n,
+                              num_threads);
+  return baton_block_matmul_rounded((int)shape->activation_bits, (int)p->kind, x, T, p->k, p->qs,
+                                    p->scale, p->min, y, p->n, num_threads);
 }
 
 /* x [T, hidden]: the step's embeddings in (overwritten); out [T, hidden]: the final

@@ -66,15 +66,16 @@ class CausalLM(nn.Module):
             module.pack()
         keep_faster_single_row_copy(layers)
 
-    def use_q8_activations(self) -> bool:
-        """Turns on 8-bit activations for every projection in GGUF blocks (block_matmul.py),
-        before the caches are bound (the fused decode step takes it from them). Whether
-        any projection has blocks: a model without runs as before."""
+    def round_activations(self, bits: int) -> bool:
+        """Sets the bits every projection in GGUF blocks rounds a one-row input to (16 or
+        8; 32: exact; block_matmul.py), before the caches are bound (the fused decode step
+        takes it from them). Whether any projection has blocks: a model without runs as
+        before."""
         layers = [
             m for m in self.modules() if isinstance(m, PackableLinear) and m.blocks is not None
         ]
         for module in layers:
-            module.q8_activations = True
+            module.activation_bits = bits
         return bool(layers)
 
     def small_step_rows(self) -> int:

@@ -1,21 +1,22 @@
-"""How often 8-bit activations (EngineConfig.q8_activations) change greedy output, and
-what they buy, on a bundled GGUF model.
+"""How often rounding one sequence's matmul input to 16 or 8 bits
+(EngineConfig.activations "int16" and "int8") changes greedy output against the exact
+path (the default), and what it buys, on a bundled GGUF model.
 
 Each prompt is decoded greedily alone (one sequence: the steps the option changes) by an
-engine on the exact kernels and by one with the option, --new-tokens each. Prompts: the
-fidelity tests' plain and chat prompts, then --topics chat questions about TOPICS.
-Printed as JSON lines:
-- `q8_identical_share`: the share of prompts whose output is token for token the exact
-  path's, and `q8_common_prefix_share`: of all exact output tokens, those before the
+engine per setting, --new-tokens each. Prompts: the fidelity tests' plain and chat
+prompts, then --topics chat questions about TOPICS. Printed as JSON lines, per rounded
+setting (`path`):
+- `identical_share`: the share of prompts whose output is token for token the exact
+  path's, and `common_prefix_share`: of all exact output tokens, those before the
   first difference;
-- `q8_reference_agreement` (unless --no-reference): teacher-forced, each output token
+- `reference_agreement` (unless --no-reference): teacher-forced, each output token
   against transformers' own argmax after the same tokens (one forward pass per
-  output), for the exact path and the option: the share of positions that agree;
-- `single_stream_decode_tok_s` for both and `ratio.single_stream.q8_over_exact`, rounds
-  interleaved, medians.
+  output), for every setting: the share of positions that agree;
+- `single_stream_decode_tok_s` for every setting and `ratio.single_stream.<path>_over_exact`,
+  rounds interleaved, medians.
 
-    .venv/bin/python bench/q8_agreement.py [--model smollm2-135m-instruct|gemma3-270m]
-        [--new-tokens 64] [--topics 20] [--rounds 3] [--no-reference]
+    .venv/bin/python bench/activation_agreement.py [--model smollm2-135m-instruct|gemma3-270m]
+        [--new-tokens 64] [--topics 20] [--rounds 3] [--threads 1] [--no-reference]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from common import TOPICS, emit, git_commit, log, median  # noqa: E402
 
-from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.config import ACTIVATIONS, EngineConfig  # noqa: E402
 from workers.engine.llm_engine import LLMEngine  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
 from workers.model.bundled_model import BUNDLED_MODELS, DEFAULT_MODEL  # noqa: E402
@@ -86,8 +87,8 @@ def main() -> None:
     bundled = BUNDLED_MODELS[args.model]
     model_dir = str(ensure_model(bundled))
     engines = {
-        name: LLMEngine(EngineConfig(model=model_dir, num_threads=args.threads, q8_activations=q8))
-        for name, q8 in (("exact", False), ("q8", True))
+        name: LLMEngine(EngineConfig(model=model_dir, num_threads=args.threads, activations=name))
+        for name in ACTIVATIONS
     }
     tok = engines["exact"].tokenizer
     prompts = [tok.encode(p) for p in PLAIN]
@@ -101,17 +102,19 @@ def main() -> None:
         name: [greedy_alone(e, p, args.new_tokens)[0] for p in prompts]
         for name, e in engines.items()
     }
-    identical, common, total = 0, 0, 0
-    for exact, q8 in zip(outputs["exact"], outputs["q8"], strict=True):
-        identical += exact == q8
-        if exact == q8:
-            common += len(exact)
-        else:  # up to the first difference, or the shorter one's end
-            pairs = enumerate(zip(exact, q8, strict=False))
-            common += next((i for i, (a, b) in pairs if a != b), min(len(exact), len(q8)))
-        total += len(exact)
-    emit("q8_identical_share", identical / len(prompts), "share", **context)
-    emit("q8_common_prefix_share", common / total, "share", **context)
+    rounded = [name for name in ACTIVATIONS if name != "exact"]
+    for name in rounded:
+        identical, common, total = 0, 0, 0
+        for exact, other in zip(outputs["exact"], outputs[name], strict=True):
+            identical += exact == other
+            if exact == other:
+                common += len(exact)
+            else:  # up to the first difference, or the shorter one's end
+                pairs = enumerate(zip(exact, other, strict=False))
+                common += next((i for i, (a, b) in pairs if a != b), min(len(exact), len(other)))
+            total += len(exact)
+        emit("identical_share", identical / len(prompts), "share", path=name, **context)
+        emit("common_prefix_share", common / total, "share", path=name, **context)
     if not args.no_reference:
         from transformers import AutoModelForCausalLM
 
@@ -125,7 +128,7 @@ def main() -> None:
                 for p, o in zip(prompts, outputs[name], strict=True)
             ]
             share = sum(a for a, _ in agree) / sum(n for _, n in agree)
-            emit("q8_reference_agreement", share, "share", path=name, **context)
+            emit("reference_agreement", share, "share", path=name, **context)
     speed_prompt = tok.encode_chat(
         [{"role": "user", "content": f"Tell me about {SPEED_PROMPT_TOPIC}."}]
     )
@@ -144,13 +147,14 @@ def main() -> None:
             commit=git_commit(),
             **context,
         )
-    emit(
-        "ratio.single_stream.q8_over_exact",
-        median(rates["q8"]) / median(rates["exact"]),
-        "ratio",
-        threads=args.threads,
-        **context,
-    )
+    for name in rounded:
+        emit(
+            f"ratio.single_stream.{name}_over_exact",
+            median(rates[name]) / median(rates["exact"]),
+            "ratio",
+            threads=args.threads,
+            **context,
+        )
 
 
 if __name__ == "__main__":
