@@ -97,11 +97,11 @@ def test_a_mixed_step_matches_attention_over_contiguous_context(path):
     def bind(k, v):
         original_bind(k, v)
         if path == "gathered":
-            attn._kernel = None
+            attn._kernel = attn._prefill_lib = None
 
     attn.bind_cache = bind
     out, expected = _mixed_step(attn, BLOCK, NUM_BLOCKS, gen)
-    assert (attn._kernel is not None) == (path == "kernel")
+    assert (attn._kernel is not None) == (attn._prefill_lib is not None) == (path == "kernel")
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

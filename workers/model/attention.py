@@ -167,6 +167,7 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.kv_group = 0  # which of a step's AttentionMetadata this layer reads
         self._kernel = None  # Baton's CPU kernels, for a float32 cache on the CPU
+        self._prefill_lib = None  # the same, where the prefill kernel takes the layer
 
     @property
     def score_scale(self) -> float:
@@ -180,6 +181,10 @@ class PagedAttention(nn.Module):
         # The decode kernel has no soft-cap: a capped layer takes the gathered path.
         fits = on_cpu and self.logit_softcap is None
         self._kernel = kernels.library() if fits else None
+        # The prefill kernel's shapes: head dims that are multiples of 8 up to 256, up to
+        # 16 query heads per KV head (the decode kernel finds out at its first call).
+        takes = self.head_dim % 8 == 0 and self.head_dim <= 256 and self.group <= 16
+        self._prefill_lib = self._kernel if takes and self.sliding_window is None else None
 
     def forward(
         self,
@@ -207,7 +212,9 @@ class PagedAttention(nn.Module):
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            out[rows] = self._prefill(q[rows], k_heads[:, rows], v_heads[:, rows], chunk)
+            out[rows] = self._prefill(
+                q[rows], k_heads[:, rows], v_heads[:, rows], chunk, meta.slot_mapping[rows]
+            )
         return out.view(tokens, -1)
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -279,6 +286,34 @@ class PagedAttention(nn.Module):
             )
         return out
 
+    def _prefill_kernel(self, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Through csrc/prefill_attention.c: the chunk's queries (the context's last)
+        against the context's keys and values, read from the cache through `slots`,
+        causally, in key blocks a query block never sees past."""
+        if q.stride(2) != 1 or q.stride(1) != self.head_dim:
+            q = q.contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype)
+        status = self._prefill_lib.baton_prefill_attention(
+            q.data_ptr(),
+            q.stride(0),
+            q.shape[0],
+            self.k_cache.data_ptr(),
+            self.v_cache.data_ptr(),
+            self.k_cache.shape[1],
+            slots.data_ptr(),
+            slots.numel(),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.score_scale,
+            out.data_ptr(),
+            kernel_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"prefill attention refused its shape or slots (status {status})")
+        return out
+
     def _decode_gathered(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_blocks = self.k_cache.shape[1] // meta.block_size
         rows, bias = meta.decode_gather(
@@ -331,8 +366,18 @@ class PagedAttention(nn.Module):
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
     def _prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        chunk: PrefillChunk,
+        chunk_slots: torch.Tensor,
     ) -> torch.Tensor:
+        """q [n, Hq, D], the chunk's k, v [Hkv, n, D] (already in the cache at
+        `chunk_slots`) -> [n, Hq, D]."""
+        if self._prefill_lib is not None:
+            slots = chunk.context_slots if chunk.context_slots is not None else chunk_slots
+            return self._prefill_kernel(q, slots)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if self.sliding_window is not None:
             slots, mask = chunk.windowed(self.sliding_window, q.device)

@@ -4,7 +4,8 @@
   `baton_block_matmul_rounded`: one row of the same with its input rounded to 16 or 8
   bits (EngineConfig.activations);
 - `baton_paged_decode_attention`: decode attention read through block tables (over the
-  whole context or a sliding window), and
+  whole context or a sliding window), `baton_prefill_attention`: a prefill chunk's
+  causal attention over its context, read from the cache through its slots, and
   `baton_write_kv`: a step's new K/V into their cache slots (attention.py);
 - `baton_rms_norm`: RMSNorm with the residual add, in one pass (norm.py);
 - `baton_rope`: rotary embeddings of a step's query and key heads (rope.py);
@@ -68,6 +69,10 @@ _PROTOTYPES = {
     "baton_paged_decode_attention": [
         *(_ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64),
         *(_int, _int, _int, _int, ctypes.c_float, _i64, _ptr, _int),
+    ],
+    "baton_prefill_attention": [
+        *(_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64),
+        *(_int, _int, _int, ctypes.c_float, _ptr, _int),
     ],
     "baton_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _int, _ptr, _ptr, _i64],
     "baton_rms_norm": [_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _int],

@@ -1,0 +1,292 @@
+/* Causal attention of a prefill chunk over its context, read from the paged cache.
+ *
+ * The chunk's n queries sit at context positions ctx - n .. ctx - 1 (after a cached
+ * prefix of ctx - n tokens, or at the start: ctx == n); query i sees keys 0 .. ctx - n
+ * + i. Keys and values come straight from the cache ([Hkv, num_slots, D] each) through
+ * the context's slots, which the step has already written the chunk's own K/V into.
+ *
+ * One task is a KV head and a block of BQ query tokens: the group of query heads that
+ * share the KV head, BQ * group rows, meet each block of BK keys once. The keys of a
+ * block are copied transposed (Kt [D][BK]) and its values in rows, so that scores are
+ * rows of x Kt and the output rows of P x V, both broadcast-and-multiply-add loops over
+ * vectors of 8. The softmax runs online (flash attention's): each row keeps its running
+ * maximum, sum and unnormalized output, rescaled as a block raises the maximum, and
+ * divided by the sum at the end. Key blocks wholly after a task's last query are never
+ * visited, so a fresh chunk does about half a full product's work; torch's CPU kernel
+ * took the whole 512 x 512 square of a 512-token prompt and masked half of it.
+ *
+ * Tasks run on OpenMP (a prefill is large), the longest (last) first, dynamically, so a
+ * thread the OS takes away leaves its tasks to the other. Each output row is one task's,
+ * so the floats do not depend on the split.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define BQ 64       /* query tokens per task: each copied key block serves them all */
+#define BK 32       /* keys per block: four vectors of scores a row */
+#define MAX_D 256   /* head dims up to this, multiples of 8 */
+#define MAX_GROUP 16
+
+/* Per-thread buffers of a task. */
+typedef struct {
+  float kt[MAX_D * BK];  /* the key block, transposed */
+  float vb[BK * MAX_D];  /* the value block, in rows */
+} Blocks;
+
+/* s[r][0:BK] = (rows r, r + 1 of q) . Kt for the row pair at q0, q1 (D floats each). */
+static inline void score_pair(const float *q0, const float *q1, const float *kt, int D,
+                              float *s0, float *s1) {
+  __m256 a[2][4];
+  for (int v = 0; v < 4; ++v) a[0][v] = a[1][v] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m256 b0 = _mm256_broadcast_ss(q0 + d), b1 = _mm256_broadcast_ss(q1 + d);
+    for (int v = 0; v < 4; ++v) {
+      const __m256 k = _mm256_loadu_ps(kt + d * BK + 8 * v);
+      a[0][v] = _mm256_fmadd_ps(b0, k, a[0][v]);
+      a[1][v] = _mm256_fmadd_ps(b1, k, a[1][v]);
+    }
+  }
+  for (int v = 0; v < 4; ++v) {
+    _mm256_storeu_ps(s0 + 8 * v, a[0][v]);
+    _mm256_storeu_ps(s1 + 8 * v, a[1][v]);
+  }
+}
+
+/* One row's scores s[0:BK] (raw products) into probabilities against its running
+ * maximum *m and sum *l: keys past `last` (the row's last visible key, block-relative)
+ * get none. Returns the factor the row's output so far must be scaled by. */
+static inline float softmax_block(float *s, int last, float scale, float *m, float *l) {
+  if (last < 0) { /* nothing visible in this block */
+    memset(s, 0, sizeof(float) * BK);
+    return 1.0f;
+  }
+  const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+  const __m256i lim = _mm256_set1_epi32(last);
+  __m256 v[4], mx = ninf;
+  for (int i = 0; i < 4; ++i) {
+    const __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                         _mm256_set1_epi32(8 * i));
+    const __m256 hidden = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, lim));
+    v[i] = _mm256_blendv_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8 * i), sc), ninf, hidden);
+    mx = _mm256_max_ps(mx, v[i]);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float block_max = _mm_cvtss_f32(h);
+  const float m_new = block_max > *m ? block_max : *m;
+  const __m256 mv = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    /* exp256 of -inf minus a finite maximum clamps to about 1e-38, not 0: mask it. */
+    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(v[i], mv)),
+                                   _mm256_cmp_ps(v[i], ninf, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(s + 8 * i, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const float alpha = *m == -INFINITY ? 0.0f : expf(*m - m_new);
+  *l = *l * alpha + hsum(sum);
+  *m = m_new;
+  return alpha;
+}
+
+/* o[r] = o[r] * alpha[r] + p[r] x vb for the row pair (D floats of o each), 32 output
+ * columns at a time so that each value load serves both rows. */
+static inline void accumulate_pair(float *o0, float *o1, const float *p0, const float *p1,
+                                   float alpha0, float alpha1, const float *vb, int D) {
+  for (int c = 0; c < D; c += 32) {
+    const int nv = D - c < 32 ? (D - c) / 8 : 4;
+    __m256 a[2][4];
+    const __m256 s0 = _mm256_set1_ps(alpha0), s1 = _mm256_set1_ps(alpha1);
+    for (int v = 0; v < nv; ++v) {
+      a[0][v] = _mm256_mul_ps(_mm256_loadu_ps(o0 + c + 8 * v), s0);
+      a[1][v] = _mm256_mul_ps(_mm256_loadu_ps(o1 + c + 8 * v), s1);
+    }
+    for (int j = 0; j < BK; ++j) {
+      const __m256 b0 = _mm256_broadcast_ss(p0 + j), b1 = _mm256_broadcast_ss(p1 + j);
+      for (int v = 0; v < nv; ++v) {
+        const __m256 x = _mm256_loadu_ps(vb + j * D + c + 8 * v);
+        a[0][v] = _mm256_fmadd_ps(b0, x, a[0][v]);
+        a[1][v] = _mm256_fmadd_ps(b1, x, a[1][v]);
+      }
+    }
+    for (int v = 0; v < nv; ++v) {
+      _mm256_storeu_ps(o0 + c + 8 * v, a[0][v]);
+      _mm256_storeu_ps(o1 + c + 8 * v, a[1][v]);
+    }
+  }
+}
+
+/* The same two products on AVX-512, where the CPU has it (checked at run time; the
+ * library is built for AVX2): 16 floats a vector; the output product for head dims
+ * that are multiples of 64. */
+#define AVX512 __attribute__((target("avx512f")))
+
+static AVX512 void score_pair512(
+    const float *q0, const float *q1, const float *kt, int D, float *s0, float *s1) {
+  /* Even and odd d apart: eight independent chains of multiply-adds. */
+  __m512 a[2][2][2];
+  for (int e = 0; e < 2; ++e)
+    for (int r = 0; r < 2; ++r) a[e][r][0] = a[e][r][1] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 2) {
+    for (int e = 0; e < 2; ++e) {
+      const __m512 b0 = _mm512_set1_ps(q0[d + e]), b1 = _mm512_set1_ps(q1[d + e]);
+      for (int v = 0; v < 2; ++v) {
+        const __m512 k = _mm512_loadu_ps(kt + (d + e) * BK + 16 * v);
+        a[e][0][v] = _mm512_fmadd_ps(b0, k, a[e][0][v]);
+        a[e][1][v] = _mm512_fmadd_ps(b1, k, a[e][1][v]);
+      }
+    }
+  }
+  for (int v = 0; v < 2; ++v) {
+    _mm512_storeu_ps(s0 + 16 * v, _mm512_add_ps(a[0][0][v], a[1][0][v]));
+    _mm512_storeu_ps(s1 + 16 * v, _mm512_add_ps(a[0][1][v], a[1][1][v]));
+  }
+}
+
+static AVX512 void accumulate_pair512(float *o0, float *o1, const float *p0, const float *p1,
+                                      float alpha0, float alpha1, const float *vb, int D) {
+  /* D a multiple of 64: four whole vectors a row at a time. */
+  for (int c = 0; c < D; c += 64) {
+    __m512 a[2][4];
+    const __m512 s0 = _mm512_set1_ps(alpha0), s1 = _mm512_set1_ps(alpha1);
+    for (int v = 0; v < 4; ++v) {
+      a[0][v] = _mm512_mul_ps(_mm512_loadu_ps(o0 + c + 16 * v), s0);
+      a[1][v] = _mm512_mul_ps(_mm512_loadu_ps(o1 + c + 16 * v), s1);
+    }
+    for (int j = 0; j < BK; ++j) {
+      const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
+      for (int v = 0; v < 4; ++v) {
+        const __m512 x = _mm512_loadu_ps(vb + j * D + c + 16 * v);
+        a[0][v] = _mm512_fmadd_ps(b0, x, a[0][v]);
+        a[1][v] = _mm512_fmadd_ps(b1, x, a[1][v]);
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      _mm512_storeu_ps(o0 + c + 16 * v, a[0][v]);
+      _mm512_storeu_ps(o1 + c + 16 * v, a[1][v]);
+    }
+  }
+}
+
+/* One task: KV head h, query tokens [t0, t1). Rows are (token, head of the group). */
+static inline __attribute__((always_inline)) void task(
+    int wide, const float *q, int64_t q_stride, int64_t n, const float *k_cache,
+    const float *v_cache, int64_t num_slots, const int64_t *slots, int64_t ctx, int Hq, int Hkv,
+    int D, float scale, float *out, int h, int64_t t0, int64_t t1, Blocks *blk, float *o,
+    float *s, float *m, float *l) {
+  const int G = Hq / Hkv;
+  const int64_t rows = (t1 - t0) * G;
+  const int64_t offset = ctx - n; /* query i's position is offset + i */
+  for (int64_t r = 0; r < rows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  memset(o, 0, sizeof(float) * (size_t)(rows * D));
+  const float *kh = k_cache + (int64_t)h * num_slots * D;
+  const float *vh = v_cache + (int64_t)h * num_slots * D;
+  const int64_t keys = offset + t1; /* the last query sees keys [0, keys) */
+  for (int64_t k0 = 0; k0 < keys; k0 += BK) {
+    const int kn = keys - k0 < BK ? (int)(keys - k0) : BK;
+    for (int j = 0; j < BK; ++j) {
+      if (j < kn) {
+        const float *key = kh + slots[k0 + j] * D;
+        for (int d = 0; d < D; ++d) blk->kt[d * BK + j] = key[d];
+        memcpy(blk->vb + j * D, vh + slots[k0 + j] * D, sizeof(float) * (size_t)D);
+      } else { /* past the context: zero keys, masked below, and zero values */
+        for (int d = 0; d < D; ++d) blk->kt[d * BK + j] = 0.0f;
+        memset(blk->vb + j * D, 0, sizeof(float) * (size_t)D);
+      }
+    }
+    for (int64_t r = 0; r < rows; r += 2) {
+      /* An odd last row pairs with itself; its second result is dropped. */
+      const int64_t r1 = r + 1 < rows ? r + 1 : r;
+      const int64_t last0 = offset + t0 + r / G - k0, last1 = offset + t0 + r1 / G - k0;
+      if (last1 < 0) continue; /* the block is past both rows' positions */
+      const float *q0 = q + (t0 + r / G) * q_stride + (h * G + r % G) * D;
+      const float *q1 = q + (t0 + r1 / G) * q_stride + (h * G + r1 % G) * D;
+      float *s0 = s, *s1 = s + BK;
+      if (wide)
+        score_pair512(q0, q1, blk->kt, D, s0, s1);
+      else
+        score_pair(q0, q1, blk->kt, D, s0, s1);
+      const int c0 = last0 < kn - 1 ? (int)last0 : kn - 1;
+      const int c1 = last1 < kn - 1 ? (int)last1 : kn - 1;
+      const float a0 = softmax_block(s0, c0, scale, m + r, l + r);
+      float a1 = 1.0f;
+      if (r1 != r) {
+        a1 = softmax_block(s1, c1, scale, m + r1, l + r1);
+      } else {
+        memset(s1, 0, sizeof(float) * BK);
+      }
+      float *o1 = r1 != r ? o + r1 * D : s + 2 * BK; /* the dropped row's sink */
+      if (r1 == r) memset(o1, 0, sizeof(float) * (size_t)D);
+      if (wide && D % 64 == 0)
+        accumulate_pair512(o + r * D, o1, s0, s1, a0, a1, blk->vb, D);
+      else
+        accumulate_pair(o + r * D, o1, s0, s1, a0, a1, blk->vb, D);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float *dst = out + ((t0 + r / G) * Hq + h * G + r % G) * D;
+    const float inv = 1.0f / l[r];
+    for (int d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
+  }
+}
+
+#define TASK_ARGS                                                                         \
+  const float *q, int64_t q_stride, int64_t n, const float *k_cache, const float *v_cache, \
+      int64_t num_slots, const int64_t *slots, int64_t ctx, int Hq, int Hkv, int D,         \
+      float scale, float *out, int h, int64_t t0, int64_t t1, Blocks *blk, float *o,        \
+      float *s, float *m, float *l
+#define TASK_CALL(WIDE) \
+  task(WIDE, q, q_stride, n, k_cache, v_cache, num_slots, slots, ctx, Hq, Hkv, D, scale, out, \
+       h, t0, t1, blk, o, s, m, l)
+static void task_avx2(TASK_ARGS) { TASK_CALL(0); }
+static AVX512 void task_avx512(TASK_ARGS) { TASK_CALL(1); }
+
+/* out [n, Hq, D] (contiguous) = attention of q (token t, head i at q + t * q_stride +
+ * i * D) over the context's ctx slots, the chunk's n queries its last. Returns 0, -1
+ * when scratch memory ran out, -2 for a shape the kernel does not take. */
+int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const float *k_cache,
+                            const float *v_cache, int64_t num_slots, const int64_t *slots,
+                            int64_t ctx, int Hq, int Hkv, int D, float scale, float *out,
+                            int num_threads) {
+  if (D % 8 != 0 || D > MAX_D || Hkv < 1 || Hq % Hkv != 0 || Hq / Hkv > MAX_GROUP || n > ctx)
+    return -2;
+  for (int64_t i = 0; i < ctx; ++i)
+    if (slots[i] < 0 || slots[i] >= num_slots) return -2;
+  const int G = Hq / Hkv;
+  const int64_t blocks = (n + BQ - 1) / BQ, tasks = blocks * Hkv;
+  const int wide = __builtin_cpu_supports("avx512f");
+  int status = 0;
+#pragma omp parallel num_threads(num_threads)
+  {
+    Blocks *blk = aligned_alloc(32, sizeof(Blocks));
+    /* o, then s (two rows of scores and a sink row of D), m and l. */
+    const int64_t rows = (int64_t)BQ * G;
+    float *o = malloc(sizeof(float) * (size_t)(rows * D + 2 * BK + D + 2 * rows));
+    if (blk == NULL || o == NULL) {
+#pragma omp atomic write
+      status = -1;
+    }
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < tasks; ++i) {
+      if (blk == NULL || o == NULL) continue;
+      const int64_t b = blocks - 1 - i / Hkv; /* the last queries (most keys) first */
+      const int64_t t0 = b * BQ, t1 = t0 + BQ < n ? t0 + BQ : n;
+      float *s = o + rows * D, *m = s + 2 * BK + D, *l = m + rows;
+      (wide ? task_avx512 : task_avx2)(q, q_stride, n, k_cache, v_cache, num_slots, slots, ctx,
+                                       Hq, Hkv, D, scale, out, (int)(i % Hkv), t0, t1, blk, o,
+                                       s, m, l);
+    }
+    free(blk);
+    free(o);
+  }
+  return status;
+}
