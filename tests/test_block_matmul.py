@@ -273,3 +273,48 @@ def test_unknown_activation_bits_are_refused():
     blocks, _ = gguf_blocks(np.ones((4, 64), dtype=np.float32), "q8_0")
     with pytest.raises(ValueError, match="activation_bits must be one of"):
         blocks.matmul(torch.ones(1, 64), 4)
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def vector_width(request):
+    """Runs a test on the kernels' AVX2 forms and on their AVX-512 ones (the same AVX2
+    forms again on a CPU without AVX-512); yields whether AVX-512 runs."""
+    lib = block_matmul.kernels.library()
+    wide = request.param == "avx512"
+    try:
+        yield bool(lib.baton_block_avx512(int(wide))) and bool(lib.baton_rounded_avx512(int(wide)))
+    finally:
+        lib.baton_block_avx512(1)
+        lib.baton_rounded_avx512(1)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
+def test_both_vector_widths_give_the_dequantized_product(vector_width, kind):
+    rng = np.random.default_rng(7)
+    weight = rng.standard_normal((70, 96)).astype(np.float32)
+    blocks, reference = gguf_blocks(weight, kind)
+    for rows in (1, 3, 8):
+        x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
+        want = x.double() @ torch.from_numpy(reference).double().t()
+        torch.testing.assert_close(blocks.matmul(x).double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
+@pytest.mark.parametrize("columns", [32, 96, 576])  # an odd block count, then even ones
+def test_both_vector_widths_round_to_16_bits_alike(vector_width, kind, columns):
+    rng = np.random.default_rng(columns + 1)
+    blocks, _ = gguf_blocks(rng.standard_normal((40, columns)).astype(np.float32), kind)
+    x = rng.standard_normal((1, columns)).astype(np.float32) * 3
+    got = blocks.matmul(torch.from_numpy(x), 16)[0].double().numpy()
+    np.testing.assert_allclose(got, _rounded_reference(blocks, x[0], 16), rtol=1e-5, atol=1e-4)
+
+
+def test_the_vector_width_switch_reports_what_runs():
+    lib = block_matmul.kernels.library()
+    try:
+        assert lib.baton_block_avx512(0) == 0 and lib.baton_rounded_avx512(0) == 0
+        has = torch.backends.cpu.get_cpu_capability() == "AVX512"
+        assert bool(lib.baton_block_avx512(1)) == bool(lib.baton_rounded_avx512(1)) == has
+    finally:
+        lib.baton_block_avx512(1)
+        lib.baton_rounded_avx512(1)

@@ -82,6 +82,7 @@ _PROTOTYPES = {
     "baton_decode_layers": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
     "baton_team_max_rows": [],
     "baton_rounded_avx512": [_int],
+    "baton_block_avx512": [_int],
 }
 
 _lock = threading.Lock()
