@@ -47,11 +47,11 @@ KIND_IDS = {"q4_1": 0, "q8_0": 1, "q8_16": 2}  # csrc/block_kinds.h's enum
 KNOWN_KINDS = ",".join(sorted(QS_BYTES))
 # Rows up to which the block kernel beats oneDNN's float32 one over a whole model's
 # weights (not cached), by the vector width oneDNN has (torch's CPU capability): past
-# it, the float32 matmul's better reuse of each weight wins. The block kernel is AVX2;
-# where oneDNN runs AVX-512 it does twice the float32 work an instruction and wins from
-# 16 rows (bench/RESULTS.md, "Model kernels").
-MAX_ROWS = {"AVX512": 8}
-MAX_ROWS_DEFAULT = 128
+# it, the float32 matmul's better reuse of each weight wins. Past 8 rows the block
+# kernel is AVX2; where oneDNN runs AVX-512 it does twice the float32 work an
+# instruction and wins from 16 rows (bench/RESULTS.md, "Model kernels").
+BLOCK_ROWS_BY_CAPABILITY = {"AVX512": 8}
+BLOCK_ROWS_DEFAULT = 128
 # How a one-row matmul takes its input (EngineConfig.activations): float32 as it is, or
 # rounded to 16 or 8 bits per block of 32 (csrc/rounded_matmul.c); the value is the bits.
 ACTIVATION_BITS = {"exact": 32, "int16": 16, "int8": 8}
@@ -63,7 +63,7 @@ def block_rows_limit(capability: str | None = None) -> int:
     (torch.backends.cpu.get_cpu_capability(), this one's by default)."""
     if capability is None:
         capability = torch.backends.cpu.get_cpu_capability()
-    return MAX_ROWS.get(capability, MAX_ROWS_DEFAULT)
+    return BLOCK_ROWS_BY_CAPABILITY.get(capability, BLOCK_ROWS_DEFAULT)
 
 
 @dataclass(frozen=True)

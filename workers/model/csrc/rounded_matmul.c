@@ -31,10 +31,13 @@
 #include "simd.h"
 #include "work_team.h"
 
-/* n blocks of x as q (32 int8 each) and d; sums (may be NULL): each block's float sum,
- * added as block_matmul.c adds it. */
-static void quantize_blocks8(const float *x, int64_t n, int8_t *q, float *d, float *sums) {
+/* n blocks of x as `bits`-bit integers q (32 a block, int8 or int16) and scales d, each
+ * block d * q with d = max|x| / (2^(bits - 1) - 1); sums (may be NULL): each block's
+ * float sum, added as block_matmul.c adds it. */
+static void quantize_blocks(int bits, const float *x, int64_t n, void *q, float *d,
+                            float *sums) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
+  const float levels = bits == 16 ? 32767.0f : 127.0f;
   /* packs_epi32 then packs_epi16 leave each 128-bit lane holding 4 values of each of
    * the four vectors in turn; this puts the 32-bit groups back in order. */
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -49,46 +52,22 @@ static void quantize_blocks8(const float *x, int64_t n, int8_t *q, float *d, flo
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     const float amax = _mm_cvtss_f32(m);
-    d[i] = amax / 127.0f;
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    d[i] = amax / levels;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
     /* cvtps rounds to nearest (even), the default rounding mode. */
     const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, inv));
     const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, inv));
     const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, inv));
     const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, inv));
-    const __m256i packed =
-        _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-    _mm256_storeu_si256((__m256i *)(q + i * BLOCK), _mm256_permutevar8x32_epi32(packed, order));
-    if (sums != NULL) sums[i] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  }
-}
-
-/* n blocks of x as q (32 int16 each) and d; sums (may be NULL) as quantize_blocks8's. */
-static void quantize_blocks16(const float *x, int64_t n, int16_t *q, float *d, float *sums) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    const float *v = x + i * BLOCK;
-    const __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8);
-    const __m256 a2 = _mm256_loadu_ps(v + 16), a3 = _mm256_loadu_ps(v + 24);
-    const __m256 m8 = _mm256_max_ps(
-        _mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)),
-        _mm256_max_ps(_mm256_andnot_ps(sign, a2), _mm256_andnot_ps(sign, a3)));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float amax = _mm_cvtss_f32(m);
-    d[i] = amax / 32767.0f;
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, inv));
-    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, inv));
-    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, inv));
-    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, inv));
-    /* packs_epi32 interleaves its operands' 128-bit lanes; the permute restores order. */
-    int16_t *out = q + i * BLOCK;
-    _mm256_storeu_si256((__m256i *)out,
-                        _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
-    _mm256_storeu_si256((__m256i *)(out + 16),
-                        _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
+    const __m256i lo = _mm256_packs_epi32(i0, i1), hi = _mm256_packs_epi32(i2, i3);
+    if (bits == 16) { /* a permute of 64-bit groups restores each half's order */
+      int16_t *out = (int16_t *)q + i * BLOCK;
+      _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(lo, 0xD8));
+      _mm256_storeu_si256((__m256i *)(out + 16), _mm256_permute4x64_epi64(hi, 0xD8));
+    } else {
+      _mm256_storeu_si256((__m256i *)((int8_t *)q + i * BLOCK),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order));
+    }
     if (sums != NULL) sums[i] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   }
 }
@@ -415,10 +394,7 @@ int baton_block_matmul_rounded(int bits, int kind, const float *x, int64_t M, in
   if (xd == NULL) return -1;
   float *xs = xd + nb, *dv = wide ? xs + nb : NULL;
   void *xq = xd + floats;
-  if (bits == 16)
-    quantize_blocks16(x, nb, xq, xd, kind == Q4_1 ? xs : NULL);
-  else
-    quantize_blocks8(x, nb, xq, xd, kind == Q4_1 ? xs : NULL);
+  quantize_blocks(bits, x, nb, xq, xd, kind == Q4_1 ? xs : NULL);
   if (wide) interleave_pairs(xq, xd, nb, dv);
   const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
   const int64_t width = N_CHUNK * chunks_per_grab(chunks, num_threads);
