@@ -4,7 +4,8 @@ path (the default), and what it buys, on a bundled GGUF model.
 
 Each prompt is decoded greedily alone (one sequence: the steps the option changes) by an
 engine per setting, --new-tokens each. Prompts: the fidelity tests' plain and chat
-prompts, then --topics chat questions about TOPICS. Printed as JSON lines, per rounded
+prompts, then --topics chat questions about TOPICS (as "Question: ... Answer:" text for a
+model without a chat template). Printed as JSON lines, per rounded
 setting (`path`):
 - `identical_share`: the share of prompts whose output is token for token the exact
   path's, and `common_prefix_share`: of all exact output tokens, those before the
@@ -91,12 +92,17 @@ def main() -> None:
         for name in ACTIVATIONS
     }
     tok = engines["exact"].tokenizer
+
+    def ask(question: str) -> list[int]:
+        """A user turn through the chat template, or as plain text where the model has
+        none (the bundled Gemma 3 GGUF)."""
+        if tok.has_chat_template:
+            return tok.encode_chat([{"role": "user", "content": question}])
+        return tok.encode(f"Question: {question}\nAnswer:")
+
     prompts = [tok.encode(p) for p in PLAIN]
-    prompts += [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
-    prompts += [
-        tok.encode_chat([{"role": "user", "content": f"Tell me about {topic}."}])
-        for topic in TOPICS[: args.topics]
-    ]
+    prompts += [ask(c) for c in CHATS]
+    prompts += [ask(f"Tell me about {topic}.") for topic in TOPICS[: args.topics]]
     context = {"model": args.model, "new_tokens": args.new_tokens, "prompts": len(prompts)}
     outputs = {
         name: [greedy_alone(e, p, args.new_tokens)[0] for p in prompts]
@@ -129,9 +135,7 @@ def main() -> None:
             ]
             share = sum(a for a, _ in agree) / sum(n for _, n in agree)
             emit("reference_agreement", share, "share", path=name, **context)
-    speed_prompt = tok.encode_chat(
-        [{"role": "user", "content": f"Tell me about {SPEED_PROMPT_TOPIC}."}]
-    )
+    speed_prompt = ask(f"Tell me about {SPEED_PROMPT_TOPIC}.")
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.rounds):
         for name, engine in engines.items():

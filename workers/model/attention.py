@@ -375,7 +375,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """q [n, Hq, D], the chunk's k, v [Hkv, n, D] (already in the cache at
         `chunk_slots`) -> [n, Hq, D]."""
-        if self._prefill_lib is not None:
+        if self._prefill_lib is not None and q.dtype == torch.float32:
             slots = chunk.context_slots if chunk.context_slots is not None else chunk_slots
             return self._prefill_kernel(q, slots)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
