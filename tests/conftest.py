@@ -367,3 +367,17 @@ def agg(service):
 
     with BatonClient(service["grpc"], application="agg") as client:
         yield client
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def vector_width(request):
+    """Runs a test on Baton's CPU kernels' AVX2 forms and on their AVX-512 ones (the same
+    AVX2 forms again on a CPU without AVX-512); yields whether AVX-512 runs."""
+    from workers.model import kernels
+
+    lib = kernels.library()
+    wide = request.param == "avx512"
+    try:
+        yield bool(lib.baton_use_avx512(int(wide)))
+    finally:
+        lib.baton_use_avx512(1)

@@ -276,19 +276,6 @@ def test_unknown_activation_bits_are_refused():
         blocks.matmul(torch.ones(1, 64), 4)
 
 
-@pytest.fixture(params=["avx2", "avx512"])
-def vector_width(request):
-    """Runs a test on the kernels' AVX2 forms and on their AVX-512 ones (the same AVX2
-    forms again on a CPU without AVX-512); yields whether AVX-512 runs."""
-    lib = block_matmul.kernels.library()
-    wide = request.param == "avx512"
-    try:
-        yield bool(lib.baton_block_avx512(int(wide))) and bool(lib.baton_rounded_avx512(int(wide)))
-    finally:
-        lib.baton_block_avx512(1)
-        lib.baton_rounded_avx512(1)
-
-
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
 def test_both_vector_widths_give_the_dequantized_product(vector_width, kind):
     rng = np.random.default_rng(7)
@@ -313,11 +300,10 @@ def test_both_vector_widths_round_to_16_bits_alike(vector_width, kind, columns):
 def test_the_vector_width_switch_reports_what_runs():
     lib = block_matmul.kernels.library()
     try:
-        assert lib.baton_block_avx512(0) == 0 and lib.baton_rounded_avx512(0) == 0
+        assert lib.baton_use_avx512(0) == 0
         cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
         flags = next(set(line.split(":", 1)[1].split()) for line in cpuinfo if "flags" in line)
         has = {"avx512f", "avx512bw", "avx512dq"} <= flags
-        assert bool(lib.baton_block_avx512(1)) == bool(lib.baton_rounded_avx512(1)) == has
+        assert bool(lib.baton_use_avx512(1)) == has
     finally:
-        lib.baton_block_avx512(1)
-        lib.baton_rounded_avx512(1)
+        lib.baton_use_avx512(1)

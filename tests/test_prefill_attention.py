@@ -69,7 +69,9 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
         (33, 31, 2, 1, 16),
     ],
 )
-def test_a_chunk_matches_causal_attention_over_its_context(n, cached, heads, kv_heads, dim):
+def test_a_chunk_matches_causal_attention_over_its_context(
+    vector_width, n, cached, heads, kv_heads, dim
+):
     gen = torch.Generator().manual_seed(n + cached)
     ctx = n + cached
     q = torch.randn(n, heads, dim, generator=gen) * 2

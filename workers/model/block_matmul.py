@@ -55,6 +55,7 @@ BLOCK_ROWS_DEFAULT = 128
 # How a one-row matmul takes its input (EngineConfig.activations): float32 as it is, or
 # rounded to 16 or 8 bits per block of 32 (csrc/rounded_matmul.c); the value is the bits.
 ACTIVATION_BITS = {"exact": 32, "int16": 16, "int8": 8}
+_BITS = frozenset(ACTIVATION_BITS.values())
 
 
 @functools.cache
@@ -150,7 +151,7 @@ class WeightBlocks:
             raise RuntimeError(f"block matmul takes float32 [M, {k}], got {x.shape}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        if activation_bits not in ACTIVATION_BITS.values():
+        if activation_bits not in _BITS:
             raise ValueError(
                 f"activation_bits must be one of {sorted(ACTIVATION_BITS.values())}, "
                 f"got {activation_bits}"

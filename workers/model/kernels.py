@@ -21,8 +21,8 @@ never holds the step up.
 They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
 into Baton's cache (about three seconds, no torch headers or ninja). The block matmuls'
 row-at-a-time paths and the prefill attention's products have AVX-512 forms, built into
-the same library and taken at run time where the CPU has it (`baton_block_avx512` and
-`baton_rounded_avx512` let tests choose). OpenMP resolves to
+the same library and taken at run time where the CPU has it (csrc/vector_width.c;
+`baton_use_avx512` lets tests choose). OpenMP resolves to
 the libgomp torch already loaded, so their larger loops share torch's thread pool; ctypes
 releases the GIL while they run. Without a compiler or AVX2, `library()` is None and
 the model runs on torch's own operators, as on every other device.
@@ -84,8 +84,7 @@ _PROTOTYPES = {
     "baton_gelu_tanh_mul": [_ptr, _i64, _i64, _ptr, _int],
     "baton_decode_layers": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
     "baton_team_max_rows": [],
-    "baton_rounded_avx512": [_int],
-    "baton_block_avx512": [_int],
+    "baton_use_avx512": [_int],
 }
 
 _lock = threading.Lock()

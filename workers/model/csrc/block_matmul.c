@@ -106,8 +106,7 @@ static void chunk(int kind, const float *x, int64_t M, int64_t K, const uint8_t 
   }
 }
 
-/* tile() on AVX-512, where the CPU has it (checked at run time; the library is built for
- * AVX2): a block's 32 weights are two vectors of 16 floats rather than four of 8, which
+/* tile() on AVX-512, where avx512_usable (vector_width.c): a block's 32 weights are two vectors of 16 floats rather than four of 8, which
  * halves the instructions a weight costs. The same products, summed in another order. */
 #define AVX512 __attribute__((target("avx512f,avx512dq")))
 
@@ -179,20 +178,6 @@ static AVX512 void chunk512(int kind, const float *x, int64_t M, int64_t K, cons
   }
 }
 
-/* Whether the CPU has AVX-512 (baton_block_avx512 may turn it off, for tests). */
-static int avx512_allowed = 1;
-static int avx512_usable(void) {
-  static int cpu = -1;
-  if (cpu < 0) cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  return cpu && avx512_allowed;
-}
-
-/* Tests' switch between the row-at-a-time path's AVX2 and AVX-512 forms: allow = 0 keeps
- * to AVX2. Returns whether AVX-512 now runs. */
-int baton_block_avx512(int allow) {
-  avx512_allowed = allow != 0;
-  return avx512_usable();
-}
 
 /* Batches over MAX_ROWS rows are compute-bound, and weight-row-at-a-time dot products
  * would unpack every block once per MAX_ROWS rows. Instead a few weight rows at a time

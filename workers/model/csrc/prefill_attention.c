@@ -122,9 +122,8 @@ static inline void accumulate_pair(float *o0, float *o1, const float *p0, const 
   }
 }
 
-/* The same two products on AVX-512, where the CPU has it (checked at run time; the
- * library is built for AVX2): 16 floats a vector; the output product for head dims
- * that are multiples of 64. */
+/* The same two products on AVX-512 where avx512_usable (vector_width.c), 16 floats a
+ * vector; the output product for head dims that are multiples of 64. */
 #define AVX512 __attribute__((target("avx512f")))
 
 static AVX512 void score_pair512(
@@ -183,11 +182,11 @@ static inline __attribute__((always_inline)) void task(
   const int G = Hq / Hkv;
   const int64_t rows = (t1 - t0) * G;
   const int64_t offset = ctx - n; /* query i's position is offset + i */
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r <= rows; ++r) { /* the spare row too */
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
-  memset(o, 0, sizeof(float) * (size_t)(rows * D));
+  memset(o, 0, sizeof(float) * (size_t)((rows + 1) * D));
   const float *kh = k_cache + (int64_t)h * num_slots * D;
   const float *vh = v_cache + (int64_t)h * num_slots * D;
   const int64_t keys = offset + t1; /* the last query sees keys [0, keys) */
@@ -204,12 +203,13 @@ static inline __attribute__((always_inline)) void task(
       }
     }
     for (int64_t r = 0; r < rows; r += 2) {
-      /* An odd last row pairs with itself; its second result is dropped. */
-      const int64_t r1 = r + 1 < rows ? r + 1 : r;
-      const int64_t last0 = offset + t0 + r / G - k0, last1 = offset + t0 + r1 / G - k0;
+      /* An odd last row pairs with a copy of itself in the buffers' spare row r + 1,
+       * whose result is never read. */
+      const int64_t r1 = r + 1, t1_row = r1 < rows ? r1 : r;
+      const int64_t last0 = offset + t0 + r / G - k0, last1 = offset + t0 + t1_row / G - k0;
       if (last1 < 0) continue; /* the block is past both rows' positions */
       const float *q0 = q + (t0 + r / G) * q_stride + (h * G + r % G) * D;
-      const float *q1 = q + (t0 + r1 / G) * q_stride + (h * G + r1 % G) * D;
+      const float *q1 = q + (t0 + t1_row / G) * q_stride + (h * G + t1_row % G) * D;
       float *s0 = s, *s1 = s + BK;
       if (wide)
         score_pair512(q0, q1, blk->kt, D, s0, s1);
@@ -218,18 +218,11 @@ static inline __attribute__((always_inline)) void task(
       const int c0 = last0 < kn - 1 ? (int)last0 : kn - 1;
       const int c1 = last1 < kn - 1 ? (int)last1 : kn - 1;
       const float a0 = softmax_block(s0, c0, scale, m + r, l + r);
-      float a1 = 1.0f;
-      if (r1 != r) {
-        a1 = softmax_block(s1, c1, scale, m + r1, l + r1);
-      } else {
-        memset(s1, 0, sizeof(float) * BK);
-      }
-      float *o1 = r1 != r ? o + r1 * D : s + 2 * BK; /* the dropped row's sink */
-      if (r1 == r) memset(o1, 0, sizeof(float) * (size_t)D);
+      const float a1 = softmax_block(s1, c1, scale, m + r1, l + r1);
       if (wide && D % 64 == 0)
-        accumulate_pair512(o + r * D, o1, s0, s1, a0, a1, blk->vb, D);
+        accumulate_pair512(o + r * D, o + r1 * D, s0, s1, a0, a1, blk->vb, D);
       else
-        accumulate_pair(o + r * D, o1, s0, s1, a0, a1, blk->vb, D);
+        accumulate_pair(o + r * D, o + r1 * D, s0, s1, a0, a1, blk->vb, D);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -263,14 +256,15 @@ int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const f
     if (slots[i] < 0 || slots[i] >= num_slots) return -2;
   const int G = Hq / Hkv;
   const int64_t blocks = (n + BQ - 1) / BQ, tasks = blocks * Hkv;
-  const int wide = __builtin_cpu_supports("avx512f");
+  const int wide = avx512_usable();
   int status = 0;
 #pragma omp parallel num_threads(num_threads)
   {
     Blocks *blk = aligned_alloc(32, sizeof(Blocks));
-    /* o, then s (two rows of scores and a sink row of D), m and l. */
-    const int64_t rows = (int64_t)BQ * G;
-    float *o = malloc(sizeof(float) * (size_t)(rows * D + 2 * BK + D + 2 * rows));
+    /* o, m and l for a task's rows and a spare one (task's odd last row), then s (two
+     * rows of scores). */
+    const int64_t rows = (int64_t)BQ * G + 1;
+    float *o = malloc(sizeof(float) * (size_t)(rows * (D + 2) + 2 * BK));
     if (blk == NULL || o == NULL) {
 #pragma omp atomic write
       status = -1;
@@ -280,7 +274,7 @@ int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const f
       if (blk == NULL || o == NULL) continue;
       const int64_t b = blocks - 1 - i / Hkv; /* the last queries (most keys) first */
       const int64_t t0 = b * BQ, t1 = t0 + BQ < n ? t0 + BQ : n;
-      float *s = o + rows * D, *m = s + 2 * BK + D, *l = m + rows;
+      float *m = o + rows * D, *l = m + rows, *s = l + rows;
       (wide ? task_avx512 : task_avx2)(q, q_stride, n, k_cache, v_cache, num_slots, slots, ctx,
                                        Hq, Hkv, D, scale, out, (int)(i % Hkv), t0, t1, blk, o,
                                        s, m, l);

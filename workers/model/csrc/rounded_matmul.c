@@ -1,6 +1,6 @@
 /* y[M, N] = x[M, K] @ W^T from GGUF blocks (block_matmul.c's kinds), with x rounded to
- * 16 or 8 bits per block of 32: EngineConfig.activations' "int16" (the default) and
- * "int8" (block_matmul.py).
+ * 16 or 8 bits per block of 32: EngineConfig.activations' "int16" and "int8", options
+ * beside the exact default (block_matmul.py).
  *
  * Each block of a row of x becomes d * q, q an integer of `bits` bits and d = max|x| /
  * (2^(bits - 1) - 1). A block's dot product with a weight block is then integer, and one
@@ -16,8 +16,9 @@
  * Q4_1's minimum term, min_b * sum(x_b), takes x's exact float sums.
  *
  * The result differs from the exact kernel's by x's rounding: at most half a step,
- * 1/65534 (16 bits) or 1/254 (8 bits) of the block's largest value, per element. At 16
- * bits that is far below the gaps greedy decoding turns on (bench/activation_agreement.py).
+ * 1/65534 (16 bits) or 1/254 (8 bits) of the block's largest value, per element. Greedy
+ * output still parts from the exact path's where the top two logits nearly tie: rarely
+ * at 16 bits, often at 8 (bench/activation_agreement.py).
  * It takes one row of x: one sequence's decode step, which streams every weight for a
  * single dot product each. With more rows each unpacked weight block serves several,
  * which the exact kernel already exploits; those go to baton_block_matmul unchanged.
@@ -141,30 +142,14 @@ static inline __attribute__((always_inline)) void load_weight(int kind, const ui
   }
 }
 
-/* 16 bits on AVX-512 (checked at run time; the library is built for AVX2): a vector of
- * 32 int16 holds two blocks' halves, so each instruction does a pair of blocks' work.
+/* 16 bits on AVX-512 (where avx512_usable, vector_width.c): a vector of 32 int16 holds
+ * two blocks' halves, so each instruction does a pair of blocks' work.
  * x's pairs are laid out [first's 0-15, second's 0-15, first's 16-31, second's 16-31]
  * (interleave_pairs), matching the weights as they widen: Q4_1's two blocks' 32 bytes
  * give both blocks' low nibbles (weights 0-15) and high ones (16-31) at once. An odd
  * last block keeps the plain layout and the AVX2 code. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq")))
 
-/* Whether AVX-512 may be used (baton_rounded_avx512) and the CPU has it. */
-static int avx512_allowed = 1;
-static int avx512_usable(void) {
-  static int cpu = -1;
-  if (cpu < 0)
-    cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512dq");
-  return cpu && avx512_allowed;
-}
-
-/* Tests' switch between the two 16-bit paths: allow = 0 keeps to AVX2. Returns whether
- * 16-bit rounding now runs on AVX-512. */
-int baton_rounded_avx512(int allow) {
-  avx512_allowed = allow != 0;
-  return avx512_usable();
-}
 
 /* Pairs of plain 16-bit blocks into the layout above, in place; dv[16 p + i]: pair p's
  * d, its first block's for i < 8 and its second's after. */

@@ -4,6 +4,9 @@
 
 #include <immintrin.h>
 
+/* Whether the kernels' AVX-512 forms run (vector_width.c). */
+int avx512_usable(void);
+
 /* The sum of a vector's 8 floats. */
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
