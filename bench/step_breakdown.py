@@ -1,5 +1,6 @@
 """Where an engine step's time goes, in process: a single stream's decode step, a
-32-stream decode step and a 512-token prefill, on the bundled model.
+32-stream decode step, a 512-token prefill and a 64-token prefill over 960 cached
+tokens (a prefix cache hit), on the bundled model.
 
 Each part is timed by wrapping the functions that do it (a timer call each, about a
 microsecond, which the `python_and_rest` share includes):
@@ -78,10 +79,18 @@ def _instrument() -> None:
     llm_engine.sample_with_drafts = _timed("sampling", llm_engine.sample_with_drafts)
 
 
-def _measure(engine: LLMEngine, prompts: list[list[int]], decode: bool, steps: int):
+def _measure(
+    engine: LLMEngine, prompts: list[list[int]], decode: bool, steps: int, cached: int = 0
+):
     """(seconds per step, {part: seconds per step}) over `steps` decode steps of the
-    prompts' sequences, or over their prefill step."""
+    prompts' sequences, or over their prefill step; the first `cached` tokens of each
+    prompt are prefilled (and cached) beforehand, not measured."""
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    if cached:
+        for p in prompts:
+            engine.add_request(uuid.uuid4().hex, p[:cached], SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
     for p in prompts:
         engine.add_request(uuid.uuid4().hex, p, params)
     if decode:
@@ -111,16 +120,25 @@ def main() -> None:
     _instrument()
     model_dir = ensure_model(BUNDLED_MODELS[args.model])
     engine = LLMEngine(
-        EngineConfig(model=str(model_dir), num_threads=args.threads, enable_prefix_caching=False)
+        EngineConfig(model=str(model_dir), num_threads=args.threads, enable_prefix_caching=True)
     )
     if args.modules:
         engine.runner.model.fused_decode = None
     tok = engine.tokenizer
     _measure(engine, [topic_prompt(tok, TOPICS[0], 32)], True, 8)  # warm-up
+
+    def fresh(name: str, i: int, length: int) -> list[int]:
+        """A prompt no other scenario's shares a block with (the cache is on)."""
+        return (tok.encode(f"{name} {i}:") + topic_prompt(tok, TOPICS[i % len(TOPICS)], length))[
+            :length
+        ]
+
+    # (prompts, decode steps or prefill, tokens cached beforehand)
     scenarios = {
-        "decode_1": ([topic_prompt(tok, TOPICS[0], 32)], True),
-        "decode_32": ([topic_prompt(tok, TOPICS[i % len(TOPICS)], 32) for i in range(32)], True),
-        "prefill_512": ([topic_prompt(tok, TOPICS[1], 512)], False),
+        "decode_1": ([fresh("decode_1", 0, 32)], True, 0),
+        "decode_32": ([fresh("decode_32", i, 32) for i in range(32)], True, 0),
+        "prefill_512": ([fresh("prefill_512", 1, 512)], False, 0),
+        "prefill_64_cached_960": ([fresh("prefill_cached", 2, 1024)], False, 960),
     }
     context = {
         "model": args.model,
@@ -128,8 +146,8 @@ def main() -> None:
         "fused": engine.runner.model.fused_decode is not None,
         "commit": git_commit(),
     }
-    for name, (prompts, decode) in scenarios.items():
-        total, parts = _measure(engine, prompts, decode, args.steps)
+    for name, (prompts, decode, cached) in scenarios.items():
+        total, parts = _measure(engine, prompts, decode, args.steps, cached)
         parts["python_and_rest"] = total - sum(parts.values())
         for part, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
             emit(
@@ -139,9 +157,9 @@ def main() -> None:
                 share=round(seconds / total, 3),
                 **context,
             )
-            log(f"{name:12s} {part:16s} {seconds * 1e3:8.2f} ms  {seconds / total:6.1%}")
+            log(f"{name:22s} {part:16s} {seconds * 1e3:8.2f} ms  {seconds / total:6.1%}")
         emit(f"step.{name}.total_ms", total * 1e3, "ms", **context)
-        log(f"{name:12s} {'total':16s} {total * 1e3:8.2f} ms")
+        log(f"{name:22s} {'total':16s} {total * 1e3:8.2f} ms")
 
 
 if __name__ == "__main__":

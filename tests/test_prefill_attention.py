@@ -67,6 +67,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
         (47, 0, 8, 8, 32),
         (13, 77, 9, 3, 64),  # after a cached prefix, ending mid key block
         (33, 31, 2, 1, 16),
+        (21, 5, 4, 2, 48),  # AVX-512's last three vectors of columns apart
+        (9, 40, 16, 2, 128),  # Qwen3's head size, a group of eight
     ],
 )
 def test_a_chunk_matches_causal_attention_over_its_context(

@@ -5,11 +5,14 @@
  * + i. Keys and values come straight from the cache ([Hkv, num_slots, D] each) through
  * the context's slots, which the step has already written the chunk's own K/V into.
  *
- * One task is a KV head and a block of BQ query tokens: the group of query heads that
- * share the KV head, BQ * group rows, meet each block of BK keys once. The keys of a
+ * One task is a KV head and a block of up to BQ query tokens: the group of query heads
+ * that share the KV head, BQ * group rows, meet each block of BK keys once. A short
+ * chunk (a prompt's tail after a cached prefix) takes smaller blocks, down to 16 tokens,
+ * so that each thread has a few tasks to balance. The keys of a
  * block are copied transposed (Kt [D][BK]) and its values in rows, so that scores are
  * rows of x Kt and the output rows of P x V, both broadcast-and-multiply-add loops over
- * vectors of 8. The softmax runs online (flash attention's): each row keeps its running
+ * vectors of 8 floats, two rows at a time (of 16, four rows, where AVX-512 runs: each
+ * key or value vector loaded then serves four rows). The softmax runs online (flash attention's): each row keeps its running
  * maximum, sum and unnormalized output, rescaled as a block raises the maximum, and
  * divided by the sum at the end. Key blocks wholly after a task's last query are never
  * visited, so a fresh chunk does about half a full product's work; torch's CPU kernel
@@ -27,7 +30,7 @@
 
 #include "simd.h"
 
-#define BQ 64       /* query tokens per task: each copied key block serves them all */
+#define BQ 64       /* query tokens per task at most: each copied key block serves them all */
 #define BK 32       /* keys per block: four vectors of scores a row */
 #define MAX_D 256   /* head dims up to this, multiples of 8 */
 #define MAX_GROUP 16
@@ -122,54 +125,114 @@ static inline void accumulate_pair(float *o0, float *o1, const float *p0, const 
   }
 }
 
-/* The same two products on AVX-512 where avx512_usable (vector_width.c), 16 floats a
- * vector; the output product for head dims that are multiples of 64. */
-#define AVX512 __attribute__((target("avx512f")))
+/* The AVX-512 form (where avx512_usable, vector_width.c, and D is a multiple of 16):
+ * four rows at a time, so each key or value vector loaded serves four rows, and the
+ * softmax on two vectors of 16 scores a row. */
+#define AVX512 __attribute__((target("avx512f,avx512dq")))
+#define QUAD 4
 
-static AVX512 void score_pair512(
-    const float *q0, const float *q1, const float *kt, int D, float *s0, float *s1) {
-  /* Even and odd d apart: eight independent chains of multiply-adds. */
-  __m512 a[2][2][2];
-  for (int e = 0; e < 2; ++e)
-    for (int r = 0; r < 2; ++r) a[e][r][0] = a[e][r][1] = _mm512_setzero_ps();
-  for (int d = 0; d < D; d += 2) {
-    for (int e = 0; e < 2; ++e) {
-      const __m512 b0 = _mm512_set1_ps(q0[d + e]), b1 = _mm512_set1_ps(q1[d + e]);
-      for (int v = 0; v < 2; ++v) {
-        const __m512 k = _mm512_loadu_ps(kt + (d + e) * BK + 16 * v);
-        a[e][0][v] = _mm512_fmadd_ps(b0, k, a[e][0][v]);
-        a[e][1][v] = _mm512_fmadd_ps(b1, k, a[e][1][v]);
-      }
+/* exp256's steps on 16 lanes, the polynomial in fused multiply-adds. */
+static AVX512 __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                    _mm512_set1_ps(-87.3365447504019f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), x);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n); /* p * 2^n */
+}
+
+/* softmax_block on 16-float vectors. A block wholly visible needs no mask, and one that
+ * does not raise the maximum leaves the output's scale as it is (exp(0) is 1). */
+static AVX512 float softmax_block512(float *restrict s, int last, float scale, float *restrict m,
+                                     float *restrict l) {
+  if (last < 0) {
+    memset(s, 0, sizeof(float) * BK);
+    return 1.0f;
+  }
+  const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  __mmask16 seen[2] = {0xffff, 0xffff};
+  if (last < BK - 1) {
+    const __m512i lim = _mm512_set1_epi32(last);
+    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    seen[0] = _mm512_cmple_epi32_mask(idx, lim);
+    seen[1] = _mm512_cmple_epi32_mask(_mm512_add_epi32(idx, _mm512_set1_epi32(16)), lim);
+  }
+  __m512 v[2];
+  for (int i = 0; i < 2; ++i) v[i] = _mm512_mask_mul_ps(ninf, seen[i], _mm512_loadu_ps(s + 16 * i), sc);
+  const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(v[0], v[1]));
+  float alpha = 1.0f;
+  if (block_max > *m) {
+    alpha = *m == -INFINITY ? 0.0f : expf(*m - block_max);
+    *m = block_max;
+  }
+  const __m512 mv = _mm512_set1_ps(*m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < 2; ++i) {
+    const __m512 p = _mm512_maskz_mov_ps(seen[i], exp512(_mm512_sub_ps(v[i], mv)));
+    _mm512_storeu_ps(s + 16 * i, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  return alpha;
+}
+
+/* s[i][0:BK] = q[i] . Kt for four rows (D floats each); s holds QUAD rows of BK. */
+static AVX512 void score_quad512(const float *const q[QUAD], const float *kt, int D, float *s) {
+  __m512 a[QUAD][2];
+  for (int i = 0; i < QUAD; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(kt + d * BK), k1 = _mm512_loadu_ps(kt + d * BK + 16);
+    for (int i = 0; i < QUAD; ++i) {
+      const __m512 b = _mm512_set1_ps(q[i][d]);
+      a[i][0] = _mm512_fmadd_ps(b, k0, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(b, k1, a[i][1]);
     }
   }
-  for (int v = 0; v < 2; ++v) {
-    _mm512_storeu_ps(s0 + 16 * v, _mm512_add_ps(a[0][0][v], a[1][0][v]));
-    _mm512_storeu_ps(s1 + 16 * v, _mm512_add_ps(a[0][1][v], a[1][1][v]));
+  for (int i = 0; i < QUAD; ++i) {
+    _mm512_storeu_ps(s + i * BK, a[i][0]);
+    _mm512_storeu_ps(s + i * BK + 16, a[i][1]);
   }
 }
 
-static AVX512 void accumulate_pair512(float *o0, float *o1, const float *p0, const float *p1,
-                                      float alpha0, float alpha1, const float *vb, int D) {
-  /* D a multiple of 64: four whole vectors a row at a time. */
-  for (int c = 0; c < D; c += 64) {
-    __m512 a[2][4];
-    const __m512 s0 = _mm512_set1_ps(alpha0), s1 = _mm512_set1_ps(alpha1);
-    for (int v = 0; v < 4; ++v) {
-      a[0][v] = _mm512_mul_ps(_mm512_loadu_ps(o0 + c + 16 * v), s0);
-      a[1][v] = _mm512_mul_ps(_mm512_loadu_ps(o1 + c + 16 * v), s1);
+/* Columns [c, c + 16 * NV) of o[i] = o[i] * alpha[i] + p[i] x vb for four rows (rows
+ * of o D floats apart, of p BK). */
+static inline AVX512 __attribute__((always_inline)) void accumulate_cols512(
+    float *o, const float *p, const float alpha[QUAD], const float *vb, int D, int c, int NV) {
+  __m512 a[QUAD][4];
+  for (int i = 0; i < QUAD; ++i) {
+    const __m512 sc = _mm512_set1_ps(alpha[i]);
+    for (int v = 0; v < NV; ++v)
+      a[i][v] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c + 16 * v), sc);
+  }
+  for (int j = 0; j < BK; ++j) {
+    __m512 x[4];
+    for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(vb + j * D + c + 16 * v);
+    for (int i = 0; i < QUAD; ++i) {
+      const __m512 b = _mm512_set1_ps(p[i * BK + j]);
+      for (int v = 0; v < NV; ++v) a[i][v] = _mm512_fmadd_ps(b, x[v], a[i][v]);
     }
-    for (int j = 0; j < BK; ++j) {
-      const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]);
-      for (int v = 0; v < 4; ++v) {
-        const __m512 x = _mm512_loadu_ps(vb + j * D + c + 16 * v);
-        a[0][v] = _mm512_fmadd_ps(b0, x, a[0][v]);
-        a[1][v] = _mm512_fmadd_ps(b1, x, a[1][v]);
-      }
-    }
-    for (int v = 0; v < 4; ++v) {
-      _mm512_storeu_ps(o0 + c + 16 * v, a[0][v]);
-      _mm512_storeu_ps(o1 + c + 16 * v, a[1][v]);
-    }
+  }
+  for (int i = 0; i < QUAD; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + i * D + c + 16 * v, a[i][v]);
+}
+
+static AVX512 void accumulate_quad512(float *o, const float *p, const float alpha[QUAD],
+                                      const float *vb, int D) {
+  int c = 0;
+  for (; c + 64 <= D; c += 64) accumulate_cols512(o, p, alpha, vb, D, c, 4);
+  switch ((D - c) / 16) { /* the last 16, 32 or 48 columns */
+    case 3: accumulate_cols512(o, p, alpha, vb, D, c, 3); break;
+    case 2: accumulate_cols512(o, p, alpha, vb, D, c, 2); break;
+    case 1: accumulate_cols512(o, p, alpha, vb, D, c, 1); break;
   }
 }
 
@@ -182,11 +245,11 @@ static inline __attribute__((always_inline)) void task(
   const int G = Hq / Hkv;
   const int64_t rows = (t1 - t0) * G;
   const int64_t offset = ctx - n; /* query i's position is offset + i */
-  for (int64_t r = 0; r <= rows; ++r) { /* the spare row too */
+  for (int64_t r = 0; r < rows + QUAD - 1; ++r) { /* the spare rows too */
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
-  memset(o, 0, sizeof(float) * (size_t)((rows + 1) * D));
+  memset(o, 0, sizeof(float) * (size_t)((rows + QUAD - 1) * D));
   const float *kh = k_cache + (int64_t)h * num_slots * D;
   const float *vh = v_cache + (int64_t)h * num_slots * D;
   const int64_t keys = offset + t1; /* the last query sees keys [0, keys) */
@@ -202,28 +265,42 @@ static inline __attribute__((always_inline)) void task(
         memset(blk->vb + j * D, 0, sizeof(float) * (size_t)D);
       }
     }
-    for (int64_t r = 0; r < rows; r += 2) {
-      /* An odd last row pairs with a copy of itself in the buffers' spare row r + 1,
-       * whose result is never read. */
-      const int64_t r1 = r + 1, t1_row = r1 < rows ? r1 : r;
-      const int64_t last0 = offset + t0 + r / G - k0, last1 = offset + t0 + t1_row / G - k0;
-      if (last1 < 0) continue; /* the block is past both rows' positions */
-      const float *q0 = q + (t0 + r / G) * q_stride + (h * G + r % G) * D;
-      const float *q1 = q + (t0 + t1_row / G) * q_stride + (h * G + t1_row % G) * D;
-      float *s0 = s, *s1 = s + BK;
-      if (wide)
-        score_pair512(q0, q1, blk->kt, D, s0, s1);
-      else
+    if (wide)
+      for (int64_t r = 0; r < rows; r += QUAD) {
+        /* Rows past a task's last pair with copies of it in the buffers' spare rows,
+         * whose results are never read. */
+        const float *qs[QUAD];
+        int64_t last[QUAD];
+        float alpha[QUAD];
+        for (int i = 0; i < QUAD; ++i) {
+          const int64_t row = r + i < rows ? r + i : rows - 1;
+          last[i] = offset + t0 + row / G - k0;
+          qs[i] = q + (t0 + row / G) * q_stride + (h * G + row % G) * D;
+        }
+        if (last[QUAD - 1] < 0) continue; /* the block is past every row's position */
+        score_quad512(qs, blk->kt, D, s);
+        for (int i = 0; i < QUAD; ++i) {
+          const int c = last[i] < kn - 1 ? (int)last[i] : kn - 1;
+          alpha[i] = softmax_block512(s + i * BK, c, scale, m + r + i, l + r + i);
+        }
+        accumulate_quad512(o + r * D, s, alpha, blk->vb, D);
+      }
+    else
+      for (int64_t r = 0; r < rows; r += 2) {
+        /* An odd last row pairs with a copy of itself in the buffers' spare row. */
+        const int64_t r1 = r + 1, t1_row = r1 < rows ? r1 : r;
+        const int64_t last0 = offset + t0 + r / G - k0, last1 = offset + t0 + t1_row / G - k0;
+        if (last1 < 0) continue; /* the block is past both rows' positions */
+        const float *q0 = q + (t0 + r / G) * q_stride + (h * G + r % G) * D;
+        const float *q1 = q + (t0 + t1_row / G) * q_stride + (h * G + t1_row % G) * D;
+        float *s0 = s, *s1 = s + BK;
         score_pair(q0, q1, blk->kt, D, s0, s1);
-      const int c0 = last0 < kn - 1 ? (int)last0 : kn - 1;
-      const int c1 = last1 < kn - 1 ? (int)last1 : kn - 1;
-      const float a0 = softmax_block(s0, c0, scale, m + r, l + r);
-      const float a1 = softmax_block(s1, c1, scale, m + r1, l + r1);
-      if (wide && D % 64 == 0)
-        accumulate_pair512(o + r * D, o + r1 * D, s0, s1, a0, a1, blk->vb, D);
-      else
+        const int c0 = last0 < kn - 1 ? (int)last0 : kn - 1;
+        const int c1 = last1 < kn - 1 ? (int)last1 : kn - 1;
+        const float a0 = softmax_block(s0, c0, scale, m + r, l + r);
+        const float a1 = softmax_block(s1, c1, scale, m + r1, l + r1);
         accumulate_pair(o + r * D, o + r1 * D, s0, s1, a0, a1, blk->vb, D);
-    }
+      }
   }
   for (int64_t r = 0; r < rows; ++r) {
     float *dst = out + ((t0 + r / G) * Hq + h * G + r % G) * D;
@@ -255,16 +332,18 @@ int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const f
   for (int64_t i = 0; i < ctx; ++i)
     if (slots[i] < 0 || slots[i] >= num_slots) return -2;
   const int G = Hq / Hkv;
-  const int64_t blocks = (n + BQ - 1) / BQ, tasks = blocks * Hkv;
-  const int wide = avx512_usable();
+  int64_t bq = BQ;
+  while (bq > 16 && (n + bq - 1) / bq * Hkv < 4 * (int64_t)num_threads) bq /= 2;
+  const int64_t blocks = (n + bq - 1) / bq, tasks = blocks * Hkv;
+  const int wide = avx512_usable() && D % 16 == 0;
   int status = 0;
 #pragma omp parallel num_threads(num_threads)
   {
     Blocks *blk = aligned_alloc(32, sizeof(Blocks));
-    /* o, m and l for a task's rows and a spare one (task's odd last row), then s (two
-     * rows of scores). */
-    const int64_t rows = (int64_t)BQ * G + 1;
-    float *o = malloc(sizeof(float) * (size_t)(rows * (D + 2) + 2 * BK));
+    /* o, m and l for a task's rows and the spare ones a last pair or group of four
+     * takes, then s (a group's rows of scores). */
+    const int64_t rows = (int64_t)BQ * G + QUAD - 1;
+    float *o = malloc(sizeof(float) * (size_t)(rows * (D + 2) + QUAD * BK));
     if (blk == NULL || o == NULL) {
 #pragma omp atomic write
       status = -1;
@@ -273,7 +352,7 @@ int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const f
     for (int64_t i = 0; i < tasks; ++i) {
       if (blk == NULL || o == NULL) continue;
       const int64_t b = blocks - 1 - i / Hkv; /* the last queries (most keys) first */
-      const int64_t t0 = b * BQ, t1 = t0 + BQ < n ? t0 + BQ : n;
+      const int64_t t0 = b * bq, t1 = t0 + bq < n ? t0 + bq : n;
       float *m = o + rows * D, *l = m + rows, *s = l + rows;
       (wide ? task_avx512 : task_avx2)(q, q_stride, n, k_cache, v_cache, num_slots, slots, ctx,
                                        Hq, Hkv, D, scale, out, (int)(i % Hkv), t0, t1, blk, o,
