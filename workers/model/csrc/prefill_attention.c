@@ -7,16 +7,17 @@
  *
  * One task is a KV head and a block of up to BQ query tokens: the group of query heads
  * that share the KV head, BQ * group rows, meet each block of BK keys once. A short
- * chunk (a prompt's tail after a cached prefix) takes smaller blocks, down to 16 tokens,
- * so that each thread has a few tasks to balance. The keys of a
- * block are copied transposed (Kt [D][BK]) and its values in rows, so that scores are
- * rows of x Kt and the output rows of P x V, both broadcast-and-multiply-add loops over
- * vectors of 8 floats, two rows at a time (of 16, four rows, where AVX-512 runs: each
- * key or value vector loaded then serves four rows). The softmax runs online (flash attention's): each row keeps its running
- * maximum, sum and unnormalized output, rescaled as a block raises the maximum, and
- * divided by the sum at the end. Key blocks wholly after a task's last query are never
- * visited, so a fresh chunk does about half a full product's work; torch's CPU kernel
- * took the whole 512 x 512 square of a 512-token prompt and masked half of it.
+ * chunk (a prompt's tail after a cached prefix) takes smaller blocks, down to 16
+ * tokens, so that each thread has a few tasks to balance. The keys of a block are
+ * copied transposed (Kt [D][BK]) and its values in rows, so that scores are rows of
+ * x Kt and the output rows of P x V, both broadcast-and-multiply-add loops over vectors
+ * of 8 floats, two rows at a time (of 16, four rows, where AVX-512 runs: each key or
+ * value vector loaded then serves four rows). The softmax runs online (flash
+ * attention's): each row keeps its running maximum, sum and unnormalized output,
+ * rescaled as a block raises the maximum, and divided by the sum at the end. Key blocks
+ * wholly after a task's last query are never visited, so a fresh chunk does about half
+ * a full product's work; torch's CPU kernel took the whole 512 x 512 square of a
+ * 512-token prompt and masked half of it.
  *
  * Tasks run on OpenMP (a prefill is large), the longest (last) first, dynamically, so a
  * thread the OS takes away leaves its tasks to the other. Each output row is one task's,
@@ -167,7 +168,8 @@ static AVX512 float softmax_block512(float *restrict s, int last, float scale, f
     seen[1] = _mm512_cmple_epi32_mask(_mm512_add_epi32(idx, _mm512_set1_epi32(16)), lim);
   }
   __m512 v[2];
-  for (int i = 0; i < 2; ++i) v[i] = _mm512_mask_mul_ps(ninf, seen[i], _mm512_loadu_ps(s + 16 * i), sc);
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_mask_mul_ps(ninf, seen[i], _mm512_loadu_ps(s + 16 * i), sc);
   const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(v[0], v[1]));
   float alpha = 1.0f;
   if (block_max > *m) {
