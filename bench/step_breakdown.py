@@ -91,6 +91,7 @@ def _measure(
             engine.add_request(uuid.uuid4().hex, p[:cached], SamplingParams(max_tokens=1))
         while engine.has_unfinished():
             engine.step()
+    hits = engine.stats().prefix_cache_hits
     for p in prompts:
         engine.add_request(uuid.uuid4().hex, p, params)
     if decode:
@@ -102,6 +103,9 @@ def _measure(
         engine.step()
     total = (time.perf_counter() - start) / counted
     parts = {k: v / counted for k, v in _spent.items()}
+    hits = engine.stats().prefix_cache_hits - hits
+    if hits != len(prompts) * (cached - cached % engine.config.block_size):
+        raise RuntimeError(f"the prompts hit {hits} cached tokens; {cached} each were meant to")
     while engine.has_unfinished():
         engine.step()
     return total, parts

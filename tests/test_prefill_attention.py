@@ -69,6 +69,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
         (33, 31, 2, 1, 16),
         (21, 5, 4, 2, 48),  # AVX-512's last three vectors of columns apart
         (9, 40, 16, 2, 128),  # Qwen3's head size, a group of eight
+        (3, 10, 9, 3, 80),  # a whole 64 columns then 16; nine rows, a group of four and one
     ],
 )
 def test_a_chunk_matches_causal_attention_over_its_context(
@@ -103,7 +104,8 @@ def test_queries_may_be_rows_of_a_wider_tensor():
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_the_same_floats_on_any_thread_count():
+def test_the_same_floats_on_any_thread_count(vector_width):
+    # Two threads split a short chunk into smaller query blocks than one does.
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(70, 9, 64, generator=gen)
     k, v = torch.randn(70, 3, 64, generator=gen), torch.randn(70, 3, 64, generator=gen)

@@ -32,7 +32,7 @@
 #include "simd.h"
 
 #define BQ 64       /* query tokens per task at most: each copied key block serves them all */
-#define BK 32       /* keys per block: four vectors of scores a row */
+#define BK 32       /* keys per block: four AVX2 vectors of scores a row, or two AVX-512 */
 #define MAX_D 256   /* head dims up to this, multiples of 8 */
 #define MAX_GROUP 16
 
@@ -132,7 +132,8 @@ static inline void accumulate_pair(float *o0, float *o1, const float *p0, const 
 #define AVX512 __attribute__((target("avx512f,avx512dq")))
 #define QUAD 4
 
-/* exp256's steps on 16 lanes, the polynomial in fused multiply-adds. */
+/* exp256's steps on 16 lanes, the polynomial in fused multiply-adds (so its last bits
+ * may differ from exp256's: the two vector widths agree to rounding, not bit for bit). */
 static AVX512 __m512 exp512(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
                     _mm512_set1_ps(-87.3365447504019f));
@@ -269,8 +270,8 @@ static inline __attribute__((always_inline)) void task(
     }
     if (wide)
       for (int64_t r = 0; r < rows; r += QUAD) {
-        /* Rows past a task's last pair with copies of it in the buffers' spare rows,
-         * whose results are never read. */
+        /* A partial last group is padded with copies of the task's last row, computed
+         * into the buffers' spare rows and never read. */
         const float *qs[QUAD];
         int64_t last[QUAD];
         float alpha[QUAD];
@@ -341,11 +342,14 @@ int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const f
   int status = 0;
 #pragma omp parallel num_threads(num_threads)
   {
-    Blocks *blk = aligned_alloc(32, sizeof(Blocks));
+    /* 64-byte aligned, so that no AVX-512 load of a key, value or output row straddles
+     * two cache lines. */
+    Blocks *blk = aligned_alloc(64, sizeof(Blocks));
     /* o, m and l for a task's rows and the spare ones a last pair or group of four
      * takes, then s (a group's rows of scores). */
     const int64_t rows = (int64_t)BQ * G + QUAD - 1;
-    float *o = malloc(sizeof(float) * (size_t)(rows * (D + 2) + QUAD * BK));
+    const size_t o_bytes = sizeof(float) * (size_t)(rows * (D + 2) + QUAD * BK);
+    float *o = aligned_alloc(64, (o_bytes + 63) / 64 * 64);
     if (blk == NULL || o == NULL) {
 #pragma omp atomic write
       status = -1;
