@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -73,6 +74,20 @@ def test_matmul_equals_float32_on_the_dequantized_weight(kind, rows, columns):
     got = blocks.matmul(x)
     assert got.shape == (rows, 50) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [32, 16])
+def test_no_rows_is_an_empty_product_on_a_fresh_thread(bits):
+    # A long prompt's first chunk samples nothing, so the LM head gets no rows; on a
+    # thread whose work team has no scratch yet (an engine's first step), that must not
+    # fail the step.
+    weight = np.random.default_rng(9).standard_normal((40, 64)).astype(np.float32)
+    blocks, _ = gguf_blocks(weight, "q4_1")
+    got: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: got.append(blocks.matmul(torch.empty(0, 64), bits)))
+    thread.start()
+    thread.join()
+    assert len(got) == 1 and got[0].shape == (0, 40)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])

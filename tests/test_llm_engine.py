@@ -4,6 +4,8 @@ test_llm_engine_step.py."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from engine_helpers import GREEDY, _engine, _outputs
@@ -140,3 +142,26 @@ def test_a_handoff_ends_the_prefill_engines_part_with_its_timing(model_dir):
     first, *rest = _handoff(prefill, decode, "r", [5, 6, 7, 8, 9] * 8)
     assert first.timing is not None and first.timing.decode_s == 0.0
     assert rest[-1].timing is not None and rest[-1].timing.decode_s > 0
+
+
+def test_a_prompt_longer_than_a_step_prefills_in_chunks_on_gguf_blocks(tmp_path):
+    """A fresh engine on a quantized model whose first step is a chunk that samples
+    nothing: its LM head gets no rows, which the block kernel must take. Run on a thread
+    of its own, as an engine thread is, so no earlier test has given it scratch memory."""
+    from conftest import write_tiny_gguf
+
+    from workers.model.gguf_import import convert_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", quantized=True)
+    model = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "model")
+    prompt = [5 + i % 50 for i in range(40)]  # 40 tokens: three chunks of at most 16
+    results: list = []
+
+    def run() -> None:
+        engine = _engine(model, max_num_batched_tokens=16, max_num_seqs=4)
+        results.append(_outputs(engine, [prompt], SamplingParams(max_tokens=4, temperature=0.0)))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(results) == 1 and len(results[0][0]) == 4

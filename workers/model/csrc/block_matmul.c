@@ -417,6 +417,7 @@ int baton_block_matmul(int kind, const float *x, int64_t M, int64_t K, const uin
                        const float *scale, const float *min, float *y, int64_t N,
                        int num_threads) {
   if (K % BLOCK != 0 || (kind != Q4_1 && kind != Q8_0 && kind != Q8_16)) return -1;
+  if (M == 0) return 0; /* no rows: a prefill chunk that samples nothing asks no logits */
   if (M > MAX_ROWS) return panel_matmul(kind, x, M, K, qs, scale, min, y, N, num_threads);
   const int64_t nb = K / BLOCK;
   const int64_t chunks = (N + N_CHUNK - 1) / N_CHUNK;
