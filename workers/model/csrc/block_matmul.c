@@ -40,7 +40,8 @@ static inline __attribute__((always_inline)) void unpack(int kind, const uint8_t
     q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
   } else {
     for (int i = 0; i < 4; ++i)
-      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
+      q[i] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
   }
 }
 
@@ -106,8 +107,9 @@ static void chunk(int kind, const float *x, int64_t M, int64_t K, const uint8_t 
   }
 }
 
-/* tile() on AVX-512, where avx512_usable (vector_width.c): a block's 32 weights are two vectors of 16 floats rather than four of 8, which
- * halves the instructions a weight costs. The same products, summed in another order. */
+/* tile() on AVX-512, where avx512_usable (vector_width.c): a block's 32 weights are two
+ * vectors of 16 floats rather than four of 8, which halves the instructions a weight
+ * costs. The same products, summed in another order. */
 #define AVX512 __attribute__((target("avx512f,avx512dq")))
 
 static inline AVX512 __attribute__((always_inline)) void unpack512(int kind, const uint8_t *p,
@@ -156,8 +158,10 @@ static inline AVX512 __attribute__((always_inline)) void tile512(
       }
     }
     for (int r = 0; r < R; ++r) {
-      __m256 sum = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
-      if (kind == Q4_1) sum = _mm256_add_ps(sum, min_dot(min + n * nb, block_sums + (m0 + r) * nb, nb));
+      __m256 sum =
+          _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+      if (kind == Q4_1)
+        sum = _mm256_add_ps(sum, min_dot(min + n * nb, block_sums + (m0 + r) * nb, nb));
       y[(m0 + r) * ys + n - col0] = hsum(sum);
     }
   }
@@ -177,7 +181,6 @@ static AVX512 void chunk512(int kind, const float *x, int64_t M, int64_t K, cons
     default: break;
   }
 }
-
 
 /* Batches over MAX_ROWS rows are compute-bound, and weight-row-at-a-time dot products
  * would unpack every block once per MAX_ROWS rows. Instead a few weight rows at a time
