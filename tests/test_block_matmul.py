@@ -91,7 +91,7 @@ def test_no_rows_is_an_empty_product_on_a_fresh_thread(bits):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
-def test_the_batched_path_multiplies_by_exactly_the_dequantized_weights(kind):
+def test_the_batched_path_multiplies_by_exactly_the_dequantized_weights(vector_width, kind):
     weight = np.random.default_rng(5).standard_normal((20, 64)).astype(np.float32)
     blocks, reference = gguf_blocks(weight, kind)
     # One-hot rows pick single weights: any dequantization that rounds differently
@@ -294,12 +294,34 @@ def test_unknown_activation_bits_are_refused():
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
 def test_both_vector_widths_give_the_dequantized_product(vector_width, kind):
     rng = np.random.default_rng(7)
+    # 70 weight rows: a 48-row task, then 22, which ends in a part micro-kernel on either
+    # width (3 rows a micro-kernel on AVX2, 12 on AVX-512); from 9 rows the outer-product
+    # path, whose AVX-512 form pads x to 16 rows a vector.
     weight = rng.standard_normal((70, 96)).astype(np.float32)
     blocks, reference = gguf_blocks(weight, kind)
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 8, 9, 16, 17, 32, 33, 64, 70):
         x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
         want = x.double() @ torch.from_numpy(reference).double().t()
         torch.testing.assert_close(blocks.matmul(x).double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
+@pytest.mark.parametrize("rows", [9, 17, 32, 33, 70])
+def test_the_outer_product_path_gives_the_same_bits_on_both_widths(kind, rows):
+    # Over 8 rows each output sums the same dequantized weights times x along K in the
+    # same order on either width (only how many rows a vector carries differs), so a
+    # batch's logits do not depend on the CPU's vector width.
+    rng = np.random.default_rng(rows)
+    blocks, _ = gguf_blocks(rng.standard_normal((70, 320)).astype(np.float32), kind)
+    x = torch.from_numpy(rng.standard_normal((rows, 320)).astype(np.float32))
+    lib = block_matmul.kernels.library()
+    try:
+        lib.baton_use_avx512(0)
+        narrow = blocks.matmul(x)
+        lib.baton_use_avx512(1)
+        assert torch.equal(blocks.matmul(x), narrow)
+    finally:
+        lib.baton_use_avx512(1)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])

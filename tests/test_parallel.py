@@ -171,9 +171,8 @@ def test_small_batches_run_on_the_blocks_and_compute_what_float32_does(
             with_blocks.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5
         )
     # Every layer, projections and head, takes the blocks up to the CPU's limit (128
-    # rows where oneDNN has AVX2: the kernel's row-at-a-time path to 8, its
-    # outer-product path from 9, in tiles of 32 rows past 32; 8 with AVX-512), and
-    # oneDNN past it.
+    # rows where oneDNN has AVX2, 64 with AVX-512: the kernel's row-at-a-time path to 8,
+    # its outer-product path from 9, in tiles of 32 rows past 32), and oneDNN past it.
     limit = parallel.block_rows_limit()
     taken = [rows for rows in (1, 5, 8, 9, 32, 45, 128, 129) if rows <= limit]
     assert all(calls.count(rows) == len(layers) for rows in taken)
@@ -184,7 +183,7 @@ def test_the_block_kernel_takes_up_to_the_rows_it_wins_at_on_the_cpu():
     from workers.model.block_matmul import block_rows_limit
 
     assert block_rows_limit("AVX2") == 128
-    assert block_rows_limit("AVX512") == 8
+    assert block_rows_limit("AVX512") == 64
     assert block_rows_limit("DEFAULT") == 128
 
 

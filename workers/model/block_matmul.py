@@ -9,11 +9,12 @@ multiplies in float32 in registers, which is the same arithmetic as on the dequa
 weights up to rounding order (the blocks *are* the model: the float32 copy was made
 from them). Batches of over 8 rows are compute-bound; the kernel then dequantizes a
 few weight rows at a time into cache and runs an outer-product micro-kernel over all
-rows at once, which beats oneDNN's float32 GEMM up to 128 rows where oneDNN has AVX2
-alone, and loses from 16 where it has AVX-512 (`block_rows_limit`); larger batches stay
-with oneDNN. A one-row call may first round x to 16 or 8 bits per block and multiply
-in integers (`csrc/rounded_matmul.c`, `EngineConfig.activations`): faster, and no
-longer the float32 arithmetic.
+rows at once (16 rows a vector where the CPU has AVX-512, 8 on AVX2), which beats
+oneDNN's float32 GEMM up to 128 rows where oneDNN has AVX2 alone and up to 64 where it
+has AVX-512 (`block_rows_limit`); larger batches stay with oneDNN. A one-row call may
+first round x to 16 or 8 bits per block and multiply in integers
+(`csrc/rounded_matmul.c`, `EngineConfig.activations`): faster, and no longer the
+float32 arithmetic.
 
 The kernel is one of Baton's CPU kernels (kernels.py); without a compiler or AVX2 the
 model runs on its float32 weights alone, as every non-GGUF model does.
@@ -47,10 +48,10 @@ KIND_IDS = {"q4_1": 0, "q8_0": 1, "q8_16": 2}  # csrc/block_kinds.h's enum
 KNOWN_KINDS = ",".join(sorted(QS_BYTES))
 # Rows up to which the block kernel beats oneDNN's float32 one over a whole model's
 # weights (not cached), by the vector width oneDNN has (torch's CPU capability): past
-# it, the float32 matmul's better reuse of each weight wins. Past 8 rows the block
-# kernel is AVX2; where oneDNN runs AVX-512 it does twice the float32 work an
-# instruction and wins from 16 rows (bench/RESULTS.md, "Model kernels").
-BLOCK_ROWS_BY_CAPABILITY = {"AVX512": 8}
+# it, the float32 matmul's better reuse of each weight wins. On AVX-512 both run at
+# that width, and the block kernel wins to 64 rows (1.2x at 32, even at 128;
+# bench/RESULTS.md, "Model kernels").
+BLOCK_ROWS_BY_CAPABILITY = {"AVX512": 64}
 BLOCK_ROWS_DEFAULT = 128
 # How a one-row matmul takes its input (EngineConfig.activations): float32 as it is, or
 # rounded to 16 or 8 bits per block of 32 (csrc/rounded_matmul.c); the value is the bits.

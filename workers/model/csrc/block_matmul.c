@@ -10,9 +10,10 @@
  * copy of them. The sum is float32 throughout: sum_b scale_b * (q_b . x_b) (+ min_b *
  * sum(x_b)), which equals the dequantized float32 matmul up to rounding order.
  *
- * Built by workers/model/kernels.py with -mavx2 -mfma -fopenmp. Up to MAX_ROWS rows of
- * x run on the work team (work_team.c); more take OpenMP, which resolves to the libgomp
- * torch already loaded, so those loops share torch's thread pool.
+ * Built by workers/model/kernels.py with -mavx2 -mfma -fopenmp; the AVX-512 forms are
+ * taken at run time where avx512_usable (vector_width.c). Up to MAX_ROWS rows of x run
+ * on the work team (work_team.c); more take OpenMP, which resolves to the libgomp torch
+ * already loaded, so those loops share torch's thread pool.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -310,17 +311,118 @@ static void panel_chunk(int kind, const float *xt, int64_t M, int64_t mp, int64_
                  M - m < 8 ? M - m : 8);
 }
 
+/* The panel on AVX-512 (where avx512_usable): a vector carries 16 rows of x, so one
+ * broadcast weight feeds twice the rows, and a micro-kernel takes NR512 weight rows
+ * (2 x 12 accumulators and 2 vectors of x fit 32 zmm). Same products, same layout of
+ * transposed x (tiles of MT rows, padded to 16). */
+#define NR512 12
+_Static_assert(NC % NR512 == 0 && MT % 16 == 0, "a chunk is whole micro-kernels");
+
+static inline AVX512 __attribute__((always_inline)) void dequantize_rows512(
+    int kind, const uint8_t *qs, const float *scale, const float *min, int64_t nb, int64_t n0,
+    int nr, int64_t k0, int64_t kn, float *w) {
+  const int64_t block_bytes = kind == Q4_1 ? BLOCK / 2 : BLOCK;
+  for (int r = 0; r < nr; ++r) {
+    for (int64_t k = 0; k < kn; k += BLOCK) {
+      const int64_t i = (n0 + r) * nb + (k0 + k) / BLOCK;
+      __m512 q[2];
+      unpack512(kind, qs + i * block_bytes, q);
+      /* Q8_16: the first 16 weights take the block's first scale, the others its second. */
+      const __m512 s = _mm512_set1_ps(kind == Q8_16 ? scale[2 * i] : scale[i]);
+      const __m512 s_hi = kind == Q8_16 ? _mm512_set1_ps(scale[2 * i + 1]) : s;
+      __m512 lo = _mm512_mul_ps(q[0], s), hi = _mm512_mul_ps(q[1], s_hi);
+      if (kind == Q4_1) {
+        const __m512 m = _mm512_set1_ps(min[i]);
+        lo = _mm512_add_ps(lo, m);
+        hi = _mm512_add_ps(hi, m);
+      }
+      _mm512_storeu_ps(w + r * KC + k, lo);
+      _mm512_storeu_ps(w + r * KC + k + 16, hi);
+    }
+  }
+}
+
+/* outer_product() with 16 rows of x a vector: NV vectors, R weight rows. */
+static inline AVX512 __attribute__((always_inline)) void outer_product512(
+    const int NV, const int R, const float *xt, int64_t xs, const float *w, int64_t kn,
+    float *yt, int64_t ys, int first) {
+  __m512 acc[NR512][MT / 16];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(yt + r * ys + 16 * v);
+  for (int64_t k = 0; k < kn; ++k) {
+    __m512 xv[MT / 16];
+    for (int v = 0; v < NV; ++v) xv[v] = _mm512_loadu_ps(xt + k * xs + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(w[r * KC + k]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(b, xv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(yt + r * ys + 16 * v, acc[r][v]);
+}
+
+static AVX512 void outer_product512_any(int nv, int nr, const float *xt, int64_t xs,
+                                        const float *w, int64_t kn, float *yt, int64_t ys,
+                                        int first) {
+#define CASE(V, R) \
+  if (nv == V && nr == R) return outer_product512(V, R, xt, xs, w, kn, yt, ys, first);
+  CASE(2, 12) CASE(1, 12) CASE(2, 11) CASE(1, 11) CASE(2, 10) CASE(1, 10) CASE(2, 9)
+  CASE(1, 9) CASE(2, 8) CASE(1, 8) CASE(2, 7) CASE(1, 7) CASE(2, 6) CASE(1, 6) CASE(2, 5)
+  CASE(1, 5) CASE(2, 4) CASE(1, 4) CASE(2, 3) CASE(1, 3) CASE(2, 2) CASE(1, 2) CASE(2, 1)
+  CASE(1, 1)
+#undef CASE
+}
+
+/* panel_chunk() on AVX-512 (mp a multiple of 16). */
+static inline AVX512 __attribute__((always_inline)) void panel_body512(
+    int kind, const float *xt, int64_t M, int64_t mp, int64_t K, const uint8_t *qs,
+    const float *scale, const float *min, float *y, int64_t N, int64_t n0, int64_t n1,
+    float *w, float *yt) {
+  const int64_t nb = K / BLOCK;
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kn = K - k0 < KC ? K - k0 : KC;
+    for (int64_t n = n0; n < n1; n += NR512) {
+      const int nr = n1 - n < NR512 ? (int)(n1 - n) : NR512;
+      dequantize_rows512(kind, qs, scale, min, nb, n, nr, k0, kn, w);
+      for (int64_t m0 = 0; m0 < mp; m0 += MT) {
+        const int64_t tw = tile_width(mp, m0);
+        outer_product512_any((int)tw / 16, nr, xt + m0 * K + k0 * tw, tw, w, kn,
+                             yt + (n - n0) * mp + m0, mp, k0 == 0);
+      }
+    }
+  }
+  for (int64_t n = n0; n < n1; n += 8)
+    for (int64_t m = 0; m < M; m += 8)
+      transpose8(yt + (n - n0) * mp + m, mp, y + m * N + n, N, n1 - n < 8 ? n1 - n : 8,
+                 M - m < 8 ? M - m : 8);
+}
+
+/* panel_body512() with the kind a constant in each call. */
+static AVX512 void panel_chunk512(int kind, const float *xt, int64_t M, int64_t mp, int64_t K,
+                                  const uint8_t *qs, const float *scale, const float *min,
+                                  float *y, int64_t N, int64_t n0, int64_t n1, float *w,
+                                  float *yt) {
+  if (kind == Q4_1)
+    panel_body512(Q4_1, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+  else if (kind == Q8_0)
+    panel_body512(Q8_0, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+  else
+    panel_body512(Q8_16, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+}
+
 static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                         const float *scale, const float *min, float *y, int64_t N,
                         int num_threads) {
-  const int64_t mp = (M + 7) / 8 * 8;
+  const int wide = avx512_usable();
+  const int64_t mp = wide ? (M + 15) / 16 * 16 : (M + 7) / 8 * 8;
   float *xt = calloc((size_t)(K * mp), sizeof(float));
   if (xt == NULL) return -1;
   const int64_t chunks = (N + NC - 1) / NC;
   int status = 0;
 #pragma omp parallel num_threads(num_threads)
   {
-    float *w = malloc(sizeof(float) * NR * KC);
+    float *w = malloc(sizeof(float) * (wide ? NR512 : NR) * KC);
     float *yt = malloc(sizeof(float) * (size_t)(NC * mp));
     if (w == NULL || yt == NULL) {
 #pragma omp atomic write
@@ -339,7 +441,9 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
     for (int64_t c = 0; c < chunks; ++c) {
       if (w == NULL || yt == NULL) continue;
       const int64_t n0 = c * NC, n1 = n0 + NC < N ? n0 + NC : N;
-      if (kind == Q4_1)
+      if (wide)
+        panel_chunk512(kind, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+      else if (kind == Q4_1)
         panel_chunk(Q4_1, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
       else if (kind == Q8_0)
         panel_chunk(Q8_0, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
