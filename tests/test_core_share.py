@@ -113,9 +113,11 @@ def test_an_auto_engine_is_busy_while_it_has_work_and_idle_after(model_dir):
 
 @pytest.mark.skipif(kernels.library() is None, reason="needs Baton's CPU kernels")
 def test_small_steps_run_torch_on_one_thread_and_the_kernels_on_the_share(tmp_path):
-    """A model in GGUF blocks runs a step of up to 8 rows in Baton's kernels, on their
+    """A model in GGUF blocks runs a step of up to 64 rows in Baton's kernels, on their
     work team; torch's ops then take one thread, so no OpenMP worker spins beside it.
     Both counts are the thread's own again after the step."""
+    limit = kernels.team_max_rows()
+    assert limit == 64
     write_tiny_gguf(tmp_path / "tiny.gguf", quantized=True)
     engine = _engine(convert_gguf(tmp_path / "tiny.gguf", tmp_path / "model"), num_threads=2)
     seen = []  # (the step's rows, torch's count, the kernels') during each model run
@@ -128,14 +130,14 @@ def test_small_steps_run_torch_on_one_thread_and_the_kernels_on_the_share(tmp_pa
 
     engine.runner.execute = recording
     try:
-        engine.add_request("r", list(range(1, 21)), GREEDY)
-        engine.step()  # the prompt's 20 tokens
+        engine.add_request("r", list(range(1, limit + 13)), GREEDY)
+        engine.step()  # the prompt's 76 tokens
         engine.step()  # one sequence's decode step
         engine.add_request("s", list(range(1, 21)), GREEDY)
         while engine.has_unfinished():
             engine.step()
-        assert {rows <= 8 for rows, _, _ in seen} == {True, False}
-        assert all((t, k) == ((1 if rows <= 8 else 2), 2) for rows, t, k in seen), seen
+        assert {rows <= limit for rows, _, _ in seen} == {True, False}
+        assert all((t, k) == ((1 if rows <= limit else 2), 2) for rows, t, k in seen), seen
         assert torch.get_num_threads() == kernel_threads() == 2
     finally:
         engine.shutdown()

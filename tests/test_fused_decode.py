@@ -139,7 +139,7 @@ def test_a_model_without_blocks_runs_on_the_modules(tmp_path):
 
 
 def test_small_steps_of_a_model_in_blocks_run_on_the_kernels(gguf_model):
-    assert _runner(gguf_model).small_step_rows == kernels.team_max_rows() == 8
+    assert _runner(gguf_model).small_step_rows == kernels.team_max_rows() == 64
 
 
 def test_a_table_out_of_range_is_refused(gguf_model):

@@ -104,11 +104,15 @@ def test_queries_may_be_rows_of_a_wider_tensor():
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_the_same_floats_on_any_thread_count(vector_width):
-    # Two threads split a short chunk into smaller query blocks than one does.
+@pytest.mark.parametrize(("n", "cached"), [(70, 0), (40, 100)])
+def test_the_same_floats_on_any_thread_count(vector_width, n, cached):
+    # Two threads split a short chunk into smaller query blocks than one does; up to 64
+    # queries (a prompt's tail after a cached prefix here) they run on the work team,
+    # past it on OpenMP.
     gen = torch.Generator().manual_seed(2)
-    q = torch.randn(70, 9, 64, generator=gen)
-    k, v = torch.randn(70, 3, 64, generator=gen), torch.randn(70, 3, 64, generator=gen)
+    q = torch.randn(n, 9, 64, generator=gen)
+    k = torch.randn(n + cached, 3, 64, generator=gen)
+    v = torch.randn(n + cached, 3, 64, generator=gen)
     k_cache, v_cache, slots = _cache_with(k, v, gen)
     one = _kernel(q, k_cache, v_cache, slots, 0.125, threads=1)
     assert torch.equal(one, _kernel(q, k_cache, v_cache, slots, 0.125, threads=2))

@@ -11,9 +11,9 @@
  * sum(x_b)), which equals the dequantized float32 matmul up to rounding order.
  *
  * Built by workers/model/kernels.py with -mavx2 -mfma -fopenmp; the AVX-512 forms are
- * taken at run time where avx512_usable (vector_width.c). Up to MAX_ROWS rows of x run
- * on the work team (work_team.c); more take OpenMP, which resolves to the libgomp torch
- * already loaded, so those loops share torch's thread pool.
+ * taken at run time where avx512_usable (vector_width.c). Up to TEAM_MAX_ROWS rows of x
+ * run on the work team (work_team.c); more take OpenMP, which resolves to the libgomp
+ * torch already loaded, so those loops share torch's thread pool.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -25,7 +25,7 @@
 #include "work_team.h"
 
 #define MAX_ROWS 8    /* rows of x per pass: 4 weight vectors + 8 accumulators fit in 16 ymm */
-_Static_assert(MAX_ROWS == TEAM_MAX_ROWS, "the work team takes the row-at-a-time path's calls");
+_Static_assert(MAX_ROWS <= TEAM_MAX_ROWS, "the work team takes the row-at-a-time path's calls");
 
 static inline __attribute__((always_inline)) void unpack(int kind, const uint8_t *p, __m256 q[4]) {
   if (kind == Q4_1) {
@@ -289,7 +289,8 @@ static inline void transpose8(const float *src, int64_t src_stride, float *dst,
  * tiles of MT: tile m0 is [K][tile width] at xt + m0 * K (see tile_width). */
 static void panel_chunk(int kind, const float *xt, int64_t M, int64_t mp, int64_t K,
                         const uint8_t *qs, const float *scale, const float *min, float *y,
-                        int64_t N, int64_t n0, int64_t n1, float *w, float *yt) {
+                        int64_t ys, int64_t col0, int64_t n0, int64_t n1, float *w,
+                        float *yt) {
   const int64_t nb = K / BLOCK;
   /* A tile of x at a time, so that its slice (KC x MT floats, contiguous) stays in L1
    * however many rows there are; this chunk's weights stay in L2 across the tiles. */
@@ -307,8 +308,8 @@ static void panel_chunk(int kind, const float *xt, int64_t M, int64_t mp, int64_
   }
   for (int64_t n = n0; n < n1; n += 8)
     for (int64_t m = 0; m < M; m += 8)
-      transpose8(yt + (n - n0) * mp + m, mp, y + m * N + n, N, n1 - n < 8 ? n1 - n : 8,
-                 M - m < 8 ? M - m : 8);
+      transpose8(yt + (n - n0) * mp + m, mp, y + m * ys + n - col0, ys,
+                 n1 - n < 8 ? n1 - n : 8, M - m < 8 ? M - m : 8);
 }
 
 /* The panel on AVX-512 (where avx512_usable): a vector carries 16 rows of x, so one
@@ -377,8 +378,8 @@ static AVX512 void outer_product512_any(int nv, int nr, const float *xt, int64_t
 /* panel_chunk() on AVX-512 (mp a multiple of 16). */
 static inline AVX512 __attribute__((always_inline)) void panel_body512(
     int kind, const float *xt, int64_t M, int64_t mp, int64_t K, const uint8_t *qs,
-    const float *scale, const float *min, float *y, int64_t N, int64_t n0, int64_t n1,
-    float *w, float *yt) {
+    const float *scale, const float *min, float *y, int64_t ys, int64_t col0, int64_t n0,
+    int64_t n1, float *w, float *yt) {
   const int64_t nb = K / BLOCK;
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kn = K - k0 < KC ? K - k0 : KC;
@@ -394,21 +395,95 @@ static inline AVX512 __attribute__((always_inline)) void panel_body512(
   }
   for (int64_t n = n0; n < n1; n += 8)
     for (int64_t m = 0; m < M; m += 8)
-      transpose8(yt + (n - n0) * mp + m, mp, y + m * N + n, N, n1 - n < 8 ? n1 - n : 8,
-                 M - m < 8 ? M - m : 8);
+      transpose8(yt + (n - n0) * mp + m, mp, y + m * ys + n - col0, ys,
+                 n1 - n < 8 ? n1 - n : 8, M - m < 8 ? M - m : 8);
 }
 
 /* panel_body512() with the kind a constant in each call. */
 static AVX512 void panel_chunk512(int kind, const float *xt, int64_t M, int64_t mp, int64_t K,
                                   const uint8_t *qs, const float *scale, const float *min,
-                                  float *y, int64_t N, int64_t n0, int64_t n1, float *w,
-                                  float *yt) {
+                                  float *y, int64_t ys, int64_t col0, int64_t n0, int64_t n1,
+                                  float *w, float *yt) {
   if (kind == Q4_1)
-    panel_body512(Q4_1, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+    panel_body512(Q4_1, xt, M, mp, K, qs, scale, min, y, ys, col0, n0, n1, w, yt);
   else if (kind == Q8_0)
-    panel_body512(Q8_0, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+    panel_body512(Q8_0, xt, M, mp, K, qs, scale, min, y, ys, col0, n0, n1, w, yt);
   else
-    panel_body512(Q8_16, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+    panel_body512(Q8_16, xt, M, mp, K, qs, scale, min, y, ys, col0, n0, n1, w, yt);
+}
+
+/* Weight rows [n0, n1) for every row of x, written to y (rows ys floats apart, its
+ * first column weight row col0), on either width, the kind a constant in each call. */
+static void panel_rows(int wide, int kind, const float *xt, int64_t M, int64_t mp, int64_t K,
+                       const uint8_t *qs, const float *scale, const float *min, float *y,
+                       int64_t ys, int64_t col0, int64_t n0, int64_t n1, float *w, float *yt) {
+  if (wide)
+    panel_chunk512(kind, xt, M, mp, K, qs, scale, min, y, ys, col0, n0, n1, w, yt);
+  else if (kind == Q4_1)
+    panel_chunk(Q4_1, xt, M, mp, K, qs, scale, min, y, ys, col0, n0, n1, w, yt);
+  else if (kind == Q8_0)
+    panel_chunk(Q8_0, xt, M, mp, K, qs, scale, min, y, ys, col0, n0, n1, w, yt);
+  else
+    panel_chunk(Q8_16, xt, M, mp, K, qs, scale, min, y, ys, col0, n0, n1, w, yt);
+}
+
+/* x transposed into xt's tiles (see panel_chunk), rows [m_lo, m_hi) in steps of 8. */
+static void transpose_x(const float *x, int64_t M, int64_t mp, int64_t K, int64_t k_lo,
+                        int64_t k_hi, float *xt) {
+  for (int64_t k0 = k_lo; k0 < k_hi; k0 += BLOCK)
+    for (int64_t m = 0; m < M; m += 8)
+      for (int64_t k = k0; k < k0 + BLOCK; k += 8)
+        transpose8(x + m * K + k, K, xt + m / MT * MT * K + k * tile_width(mp, m) + m % MT,
+                   tile_width(mp, m), M - m < 8 ? M - m : 8, 8);
+}
+
+/* Up to TEAM_MAX_ROWS rows the panel runs as a work-team loop (work_team.h), an item NC
+ * weight rows, so that a thread the OS takes away never holds the step up; its buffers
+ * then fit on the stack. The lead transposes x into the team's arena alone (a helper
+ * late on an item reads it). */
+
+typedef struct {
+  int wide, kind;
+  const float *xt, *scale, *min;
+  const uint8_t *qs;
+  float *y;
+  int64_t M, mp, K, N;
+} PanelLoop;
+
+static void panel_run(const void *ctx, int64_t item, float *scratch) {
+  const PanelLoop *l = ctx;
+  const int64_t n0 = item * NC, n1 = n0 + NC < l->N ? n0 + NC : l->N;
+  float w[NR512 * KC] __attribute__((aligned(64)));
+  float yt[NC * TEAM_MAX_ROWS] __attribute__((aligned(64)));
+  if (scratch == NULL)
+    panel_rows(l->wide, l->kind, l->xt, l->M, l->mp, l->K, l->qs, l->scale, l->min, l->y, l->N,
+               0, n0, n1, w, yt);
+  else
+    panel_rows(l->wide, l->kind, l->xt, l->M, l->mp, l->K, l->qs, l->scale, l->min, scratch,
+               n1 - n0, n0, n0, n1, w, yt);
+}
+
+static void panel_commit(const void *ctx, int64_t item, const float *scratch) {
+  const PanelLoop *l = ctx;
+  const int64_t n0 = item * NC, n1 = n0 + NC < l->N ? n0 + NC : l->N;
+  for (int64_t m = 0; m < l->M; ++m)
+    memcpy(l->y + m * l->N + n0, scratch + m * (n1 - n0), sizeof(float) * (size_t)(n1 - n0));
+}
+
+static int64_t panel_scratch(const void *ctx) { return ((const PanelLoop *)ctx)->M * NC; }
+
+static int panel_team(int wide, int kind, const float *x, int64_t M, int64_t mp, int64_t K,
+                      const uint8_t *qs, const float *scale, const float *min, float *y,
+                      int64_t N, int num_threads) {
+  float *xt = team_arena(sizeof(float) * K * mp);
+  if (xt == NULL) return -1;
+  if (mp != M) memset(xt, 0, sizeof(float) * (size_t)(K * mp)); /* the padding rows */
+  transpose_x(x, M, mp, K, 0, K, xt);
+  const PanelLoop loop = {wide, kind, xt, scale, min, qs, y, M, mp, K, N};
+  const TeamLoop team = {panel_run, panel_commit, panel_scratch, (N + NC - 1) / NC};
+  if (team_run(&team, &loop, sizeof loop, num_threads) == 0) return 0;
+  for (int64_t c = 0; c < team.items; ++c) panel_run(&loop, c, NULL);
+  return 0;
 }
 
 static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs,
@@ -416,6 +491,8 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
                         int num_threads) {
   const int wide = avx512_usable();
   const int64_t mp = wide ? (M + 15) / 16 * 16 : (M + 7) / 8 * 8;
+  if (num_threads > 1 && M <= TEAM_MAX_ROWS)
+    return panel_team(wide, kind, x, M, mp, K, qs, scale, min, y, N, num_threads);
   float *xt = calloc((size_t)(K * mp), sizeof(float));
   if (xt == NULL) return -1;
   const int64_t chunks = (N + NC - 1) / NC;
@@ -429,11 +506,7 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
       status = -1;
     }
 #pragma omp for schedule(static)
-    for (int64_t k0 = 0; k0 < K; k0 += BLOCK)
-      for (int64_t m = 0; m < M; m += 8)
-        for (int64_t k = k0; k < k0 + BLOCK; k += 8)
-          transpose8(x + m * K + k, K, xt + m / MT * MT * K + k * tile_width(mp, m) + m % MT,
-                     tile_width(mp, m), M - m < 8 ? M - m : 8, 8);
+    for (int64_t k0 = 0; k0 < K; k0 += BLOCK) transpose_x(x, M, mp, K, k0, k0 + BLOCK, xt);
     /* Dynamic: on a machine shared with other processes (a serving replica's own
      * router, say) a thread the OS takes away leaves its remaining chunks to the
      * others instead of holding every thread at the barrier until it is back. */
@@ -441,14 +514,7 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
     for (int64_t c = 0; c < chunks; ++c) {
       if (w == NULL || yt == NULL) continue;
       const int64_t n0 = c * NC, n1 = n0 + NC < N ? n0 + NC : N;
-      if (wide)
-        panel_chunk512(kind, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
-      else if (kind == Q4_1)
-        panel_chunk(Q4_1, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
-      else if (kind == Q8_0)
-        panel_chunk(Q8_0, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
-      else
-        panel_chunk(Q8_16, xt, M, mp, K, qs, scale, min, y, N, n0, n1, w, yt);
+      panel_rows(wide, kind, xt, M, mp, K, qs, scale, min, y, N, 0, n0, n1, w, yt);
     }
     free(w);
     free(yt);

@@ -20,8 +20,11 @@
  * 512-token prompt and masked half of it.
  *
  * Tasks run on OpenMP (a prefill is large), the longest (last) first, dynamically, so a
- * thread the OS takes away leaves its tasks to the other. Each output row is one task's,
- * so the floats do not depend on the split.
+ * thread the OS takes away leaves its tasks to the other. A chunk of up to TEAM_MAX_ROWS
+ * queries (a step the work team runs: a short prompt, a prompt's tail after a cached
+ * prefix) runs them as a work-team loop instead (work_team.h), as the step's other
+ * loops then do. Each output row is one task's, so the floats do not depend on the
+ * split.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -30,6 +33,7 @@
 #include <string.h>
 
 #include "simd.h"
+#include "work_team.h"
 
 #define BQ 64       /* query tokens per task at most: each copied key block serves them all */
 #define BK 32       /* keys per block: four AVX2 vectors of scores a row, or two AVX-512 */
@@ -260,9 +264,14 @@ static inline __attribute__((always_inline)) void task(
     const int kn = keys - k0 < BK ? (int)(keys - k0) : BK;
     for (int j = 0; j < BK; ++j) {
       if (j < kn) {
-        const float *key = kh + slots[k0 + j] * D;
+        /* The caller checked every slot; a work-team helper late on a finished loop may
+         * read its copy after the lead's next loop overwrote it: its floats are then
+         * dropped, but its reads must stay inside the cache. */
+        int64_t slot = slots[k0 + j];
+        if (slot < 0 || slot >= num_slots) slot = 0;
+        const float *key = kh + slot * D;
         for (int d = 0; d < D; ++d) blk->kt[d * BK + j] = key[d];
-        memcpy(blk->vb + j * D, vh + slots[k0 + j] * D, sizeof(float) * (size_t)D);
+        memcpy(blk->vb + j * D, vh + slot * D, sizeof(float) * (size_t)D);
       } else { /* past the context: zero keys, masked below, and zero values */
         for (int d = 0; d < D; ++d) blk->kt[d * BK + j] = 0.0f;
         memset(blk->vb + j * D, 0, sizeof(float) * (size_t)D);
@@ -323,6 +332,90 @@ static inline __attribute__((always_inline)) void task(
 static void task_avx2(TASK_ARGS) { TASK_CALL(0); }
 static AVX512 void task_avx512(TASK_ARGS) { TASK_CALL(1); }
 
+/* A call's arguments, and its lead's buffers on the work team. */
+typedef struct {
+  const float *q, *k_cache, *v_cache;
+  const int64_t *slots;
+  float *out, *lead_work;
+  int64_t q_stride, n, num_slots, ctx, bq, blocks;
+  int Hq, Hkv, D, wide;
+  float scale;
+} Prefill;
+
+/* Rows of o, m and l a task of bq queries takes, with the spare ones a last pair or
+ * group of four takes. */
+static int64_t task_rows(int64_t bq, int G) { return bq * G + QUAD - 1; }
+
+/* Task i (the last queries, with the most keys, first) into out, with the key and value
+ * blocks at blk and o, m, l and s (a group's rows of scores) from o. */
+static void run_task(const Prefill *a, int64_t i, float *out, Blocks *blk, float *o,
+                     int64_t rows) {
+  const int64_t b = a->blocks - 1 - i / a->Hkv;
+  const int64_t t0 = b * a->bq, t1 = t0 + a->bq < a->n ? t0 + a->bq : a->n;
+  float *m = o + rows * a->D, *l = m + rows, *s = l + rows;
+  (a->wide ? task_avx512 : task_avx2)(a->q, a->q_stride, a->n, a->k_cache, a->v_cache,
+                                      a->num_slots, a->slots, a->ctx, a->Hq, a->Hkv, a->D,
+                                      a->scale, out, (int)(i % a->Hkv), t0, t1, blk, o, s, m, l);
+}
+
+/* Floats of a task's buffers, with room to align them to 64 bytes. */
+static int64_t work_floats(const Prefill *a) {
+  return (int64_t)(sizeof(Blocks) / sizeof(float)) +
+         task_rows(a->bq, a->Hq / a->Hkv) * (a->D + 2) + QUAD * BK + 16;
+}
+
+static void run_in(const Prefill *a, int64_t i, float *out, float *work) {
+  Blocks *blk = (Blocks *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
+  run_task(a, i, out, blk, (float *)(blk + 1), task_rows(a->bq, a->Hq / a->Hkv));
+}
+
+/* On the work team a helper writes a task's rows at their places in a copy of out at
+ * the head of its scratch (its buffers after it), and commits those rows. */
+static void team_task(const void *ctx, int64_t i, float *scratch) {
+  const Prefill *a = ctx;
+  if (scratch == NULL)
+    run_in(a, i, a->out, a->lead_work);
+  else
+    run_in(a, i, scratch, scratch + a->n * a->Hq * a->D);
+}
+
+static void team_commit(const void *ctx, int64_t i, const float *scratch) {
+  const Prefill *a = ctx;
+  const int G = a->Hq / a->Hkv, h = (int)(i % a->Hkv);
+  const int64_t t0 = (a->blocks - 1 - i / a->Hkv) * a->bq;
+  const int64_t t1 = t0 + a->bq < a->n ? t0 + a->bq : a->n;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t at = (t * a->Hq + h * G) * a->D;
+    memcpy(a->out + at, scratch + at, sizeof(float) * (size_t)(G * a->D));
+  }
+}
+
+static int64_t team_scratch(const void *ctx) {
+  const Prefill *a = ctx;
+  return a->n * a->Hq * a->D + work_floats(a);
+}
+
+/* The call on the work team; -1 when its memory could not be had (nothing ran). */
+static int run_on_team(Prefill a, int64_t tasks, int num_threads) {
+  /* q's rows and the slots in the team's arena, as a helper late on a task reads them,
+   * then the lead's buffers. */
+  const int64_t q_floats = (a.n - 1) * a.q_stride + a.Hq * a.D;
+  const int64_t q_room = (q_floats + 1) / 2 * 2; /* the slots after it 8-byte aligned */
+  float *arena = team_arena(sizeof(float) * (size_t)(q_room + work_floats(&a)) +
+                            sizeof(int64_t) * (size_t)a.ctx);
+  if (arena == NULL) return -1;
+  memcpy(arena, a.q, sizeof(float) * (size_t)q_floats);
+  int64_t *slots = (int64_t *)(arena + q_room);
+  memcpy(slots, a.slots, sizeof(int64_t) * (size_t)a.ctx);
+  a.q = arena;
+  a.slots = slots;
+  a.lead_work = (float *)(slots + a.ctx);
+  const TeamLoop team = {team_task, team_commit, team_scratch, tasks};
+  if (team_run(&team, &a, sizeof a, num_threads) == 0) return 0;
+  for (int64_t i = 0; i < tasks; ++i) team_task(&a, i, NULL);
+  return 0;
+}
+
 /* out [n, Hq, D] (contiguous) = attention of q (token t, head i at q + t * q_stride +
  * i * D) over the context's ctx slots, the chunk's n queries its last. Returns 0, -1
  * when scratch memory ran out, -2 for a shape the kernel does not take. */
@@ -334,20 +427,22 @@ int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const f
     return -2;
   for (int64_t i = 0; i < ctx; ++i)
     if (slots[i] < 0 || slots[i] >= num_slots) return -2;
+  if (n == 0) return 0;
   const int G = Hq / Hkv;
   int64_t bq = BQ;
   while (bq > 16 && (n + bq - 1) / bq * Hkv < 4 * (int64_t)num_threads) bq /= 2;
   const int64_t blocks = (n + bq - 1) / bq, tasks = blocks * Hkv;
-  const int wide = avx512_usable() && D % 16 == 0;
+  const Prefill a = {q,   k_cache,   v_cache, slots, out, NULL, q_stride, n,  num_slots,
+                     ctx, bq,        blocks,  Hq,    Hkv, D,    avx512_usable() && D % 16 == 0,
+                     scale};
+  if (num_threads > 1 && n <= TEAM_MAX_ROWS) return run_on_team(a, tasks, num_threads);
   int status = 0;
 #pragma omp parallel num_threads(num_threads)
   {
     /* 64-byte aligned, so that no AVX-512 load of a key, value or output row straddles
      * two cache lines. */
     Blocks *blk = aligned_alloc(64, sizeof(Blocks));
-    /* o, m and l for a task's rows and the spare ones a last pair or group of four
-     * takes, then s (a group's rows of scores). */
-    const int64_t rows = (int64_t)BQ * G + QUAD - 1;
+    const int64_t rows = task_rows(BQ, G);
     const size_t o_bytes = sizeof(float) * (size_t)(rows * (D + 2) + QUAD * BK);
     float *o = aligned_alloc(64, (o_bytes + 63) / 64 * 64);
     if (blk == NULL || o == NULL) {
@@ -355,15 +450,8 @@ int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const f
       status = -1;
     }
 #pragma omp for schedule(dynamic)
-    for (int64_t i = 0; i < tasks; ++i) {
-      if (blk == NULL || o == NULL) continue;
-      const int64_t b = blocks - 1 - i / Hkv; /* the last queries (most keys) first */
-      const int64_t t0 = b * bq, t1 = t0 + bq < n ? t0 + bq : n;
-      float *m = o + rows * D, *l = m + rows, *s = l + rows;
-      (wide ? task_avx512 : task_avx2)(q, q_stride, n, k_cache, v_cache, num_slots, slots, ctx,
-                                       Hq, Hkv, D, scale, out, (int)(i % Hkv), t0, t1, blk, o,
-                                       s, m, l);
-    }
+    for (int64_t i = 0; i < tasks; ++i)
+      if (blk != NULL && o != NULL) run_task(&a, i, out, blk, o, rows);
     free(blk);
     free(o);
   }

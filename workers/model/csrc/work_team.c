@@ -1,6 +1,6 @@
-/* The work team: threads for a small decode step's parallel loops (a matmul of a few
- * rows, decode attention), in which a thread the OS takes away never holds the step
- * up.
+/* The work team: threads for a small step's parallel loops (matmuls of up to
+ * TEAM_MAX_ROWS rows, decode attention, a short chunk's prefill attention), in which a
+ * thread the OS takes away never holds the step up.
  *
  * An OpenMP loop ends at a barrier: every thread of the team must arrive. A one-row
  * step runs about 150 such loops of 20-50 us each, and on a machine its serving

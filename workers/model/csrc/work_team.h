@@ -6,8 +6,9 @@
 
 #include <stdint.h>
 
-/* Loops of at most this many rows of x go to the team; larger ones take OpenMP. */
-#define TEAM_MAX_ROWS 8
+/* Loops of at most this many rows of x go to the team; larger ones take OpenMP. Up to
+ * 64 the elementwise kernels' rows are few enough for one thread. */
+#define TEAM_MAX_ROWS 64
 int baton_team_max_rows(void);
 
 /* One parallel loop of `items` items. run(ctx, item, NULL) writes an item's outputs to
