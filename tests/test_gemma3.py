@@ -293,9 +293,10 @@ def test_tensor_parallel_ranks_compute_the_single_rank_logits(tmp_path, num_kv_h
     torch.testing.assert_close(torch.load(out), single, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 32])
-@pytest.mark.parametrize("half", [1536, 24, 12])  # 12: not whole vectors, torch's ops
-def test_gelu_tanh_mul_is_transformers_geglu_activation(rows, half):
+@pytest.mark.parametrize("rows", [1, 7, 32, 80])
+# 24: whole AVX2 vectors only (AVX2's form on either CPU); 12: not whole vectors, torch's ops
+@pytest.mark.parametrize("half", [1536, 24, 12])
+def test_gelu_tanh_mul_is_transformers_geglu_activation(vector_width, rows, half):
     from workers.model.mlp import gelu_tanh_mul
 
     gen = torch.Generator().manual_seed(rows * half)

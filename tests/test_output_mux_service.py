@@ -142,12 +142,14 @@ def test_the_client_that_opened_a_subscription_leaving_cuts_no_other_stream(
                 client.generate(generate_request(f"Story {i}:", **long), timeout=120)
                 for i in range(2)
             ]
-            for stream in others:
-                assert next(stream).token_ids
+            firsts = [len(next(stream).token_ids) for stream in others]
+            assert all(firsts)
             assert stats.remote().result()["mux"]["num_muxed_requests"] == 2
             opener.cancel()
-            for stream in others:
-                assert len([msg for msg in stream]) == 200 - 1
+            for stream, first in zip(others, firsts, strict=True):
+                # Every token arrives; a consumer that fell behind gets its backlog
+                # merged, so messages may be fewer than tokens.
+                assert first + sum(len(msg.token_ids) for msg in stream) == 200
     finally:
         serve.delete(app)
         serve.shutdown()

@@ -19,9 +19,10 @@ of threads (csrc/work_team.c) rather than OpenMP's, so that a thread the OS take
 never holds the step up.
 
 They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
-into Baton's cache (about three seconds, no torch headers or ninja). The block matmuls'
-row-at-a-time paths and the prefill attention's products have AVX-512 forms, built into
-the same library and taken at run time where the CPU has it (csrc/vector_width.c;
+into Baton's cache (about three seconds, no torch headers or ninja). The block
+matmuls, the rounded matmul, the prefill attention's products and the gated activations
+have AVX-512 forms, built into the same library and taken at run time where the CPU has
+it (csrc/vector_width.c;
 `baton_use_avx512` lets tests choose). OpenMP resolves to
 the libgomp torch already loaded, so their larger loops share torch's thread pool; ctypes
 releases the GIL while they run. Without a compiler or AVX2, `library()` is None and
