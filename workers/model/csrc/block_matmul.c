@@ -427,7 +427,8 @@ static void panel_rows(int wide, int kind, const float *xt, int64_t M, int64_t m
     panel_chunk(Q8_16, xt, M, mp, K, qs, scale, min, y, ys, col0, n0, n1, w, yt);
 }
 
-/* x transposed into xt's tiles (see panel_chunk), rows [m_lo, m_hi) in steps of 8. */
+/* Columns [k_lo, k_hi) of x (whole blocks) transposed into xt's tiles (see
+ * panel_chunk). */
 static void transpose_x(const float *x, int64_t M, int64_t mp, int64_t K, int64_t k_lo,
                         int64_t k_hi, float *xt) {
   for (int64_t k0 = k_lo; k0 < k_hi; k0 += BLOCK)
@@ -441,7 +442,6 @@ static void transpose_x(const float *x, int64_t M, int64_t mp, int64_t K, int64_
  * weight rows, so that a thread the OS takes away never holds the step up; its buffers
  * then fit on the stack. The lead transposes x into the team's arena alone (a helper
  * late on an item reads it). */
-
 typedef struct {
   int wide, kind;
   const float *xt, *scale, *min;
