@@ -305,6 +305,23 @@ def test_both_vector_widths_give_the_dequantized_product(vector_width, kind):
         torch.testing.assert_close(blocks.matmul(x).double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [9, 32, 33, 64, 65])
+def test_the_outer_product_path_gives_the_same_bits_on_the_work_team(vector_width, rows):
+    # In a small step (team_loops) up to 64 rows run on the work team, an item 48 weight
+    # rows computed and committed as on OpenMP's tasks (past 64 rows still OpenMP's).
+    rng = np.random.default_rng(rows)
+    blocks, _ = gguf_blocks(rng.standard_normal((130, 320)).astype(np.float32), "q4_1")
+    x = torch.from_numpy(rng.standard_normal((rows, 320)).astype(np.float32))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the kernels' count: a team or OpenMP loop of 2
+        on_openmp = blocks.matmul(x)
+        with block_matmul.kernels.team_loops():
+            assert torch.equal(blocks.matmul(x), on_openmp)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_16"])
 @pytest.mark.parametrize("rows", [9, 17, 32, 33, 70])
 def test_the_outer_product_path_gives_the_same_bits_on_both_widths(kind, rows):

@@ -104,11 +104,11 @@ def test_queries_may_be_rows_of_a_wider_tensor():
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("n", "cached"), [(70, 0), (40, 100)])
-def test_the_same_floats_on_any_thread_count(vector_width, n, cached):
-    # Two threads split a short chunk into smaller query blocks than one does; up to 64
-    # queries (a prompt's tail after a cached prefix here) they run on the work team,
-    # past it on OpenMP.
+@pytest.mark.parametrize(("n", "cached"), [(70, 0), (40, 100), (5, 60)])
+def test_the_same_floats_on_any_thread_count_and_on_the_work_team(vector_width, n, cached):
+    # Two threads split a short chunk into smaller query blocks than one does. In a small
+    # step (team_loops) a chunk of up to 64 queries (a prompt's tail after a cached
+    # prefix here) runs on the work team, elsewhere up to 8; past that on OpenMP.
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(n, 9, 64, generator=gen)
     k = torch.randn(n + cached, 3, 64, generator=gen)
@@ -116,6 +116,8 @@ def test_the_same_floats_on_any_thread_count(vector_width, n, cached):
     k_cache, v_cache, slots = _cache_with(k, v, gen)
     one = _kernel(q, k_cache, v_cache, slots, 0.125, threads=1)
     assert torch.equal(one, _kernel(q, k_cache, v_cache, slots, 0.125, threads=2))
+    with kernels.team_loops():
+        assert torch.equal(one, _kernel(q, k_cache, v_cache, slots, 0.125, threads=2))
 
 
 def test_a_slot_outside_the_cache_or_a_shape_it_does_not_take_is_refused():

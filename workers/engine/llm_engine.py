@@ -20,7 +20,7 @@ Not thread-safe: one thread steps it (`AsyncEngine`'s engine thread, in a server
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ from workers.engine.token_masks import TokenMasks
 from workers.errors import InvalidRequestError
 from workers.kv.layout import KVLayout
 from workers.kv.transport import KVPart
+from workers.model import kernels
 from workers.model.config import ModelConfig, kv_shards
 from workers.model.tokenizer import Tokenizer, eos_token_ids
 from workers.runner.model_runner import ModelRunner
@@ -245,7 +246,10 @@ class LLMEngine:
         # A step of a few rows runs in Baton's kernels on their work team, torch's ops on
         # one thread beside it (workers/torch_threads.py).
         small = sum(len(c.token_ids) for c in chunks) <= self.runner.small_step_rows
-        with kernels_apart() if small else nullcontext():
+        with ExitStack() as small_step:
+            if small:
+                small_step.enter_context(kernels_apart())
+                small_step.enter_context(kernels.team_loops())
             return outputs + self._run_step(scheduled, chunks)
 
     def _run_step(

@@ -16,7 +16,8 @@
 
 Steps of up to `team_max_rows()` rows run the matmuls and the attention on a work team
 of threads (csrc/work_team.c) rather than OpenMP's, so that a thread the OS takes away
-never holds the step up.
+never holds the step up: `LLMEngine` runs such a step in `team_loops()` (and its torch
+ops on one thread); elsewhere only loops of up to 8 rows take the team.
 
 They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
 into Baton's cache (about three seconds, no torch headers or ninja). The block
@@ -39,6 +40,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -85,6 +88,7 @@ _PROTOTYPES = {
     "baton_gelu_tanh_mul": [_ptr, _i64, _i64, _ptr, _int],
     "baton_decode_layers": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
     "baton_team_max_rows": [],
+    "baton_set_team_rows": [_int],
     "baton_use_avx512": [_int],
 }
 
@@ -107,9 +111,27 @@ def library() -> ctypes.CDLL | None:
 
 
 def team_max_rows() -> int:
-    """Rows of x up to which the kernels run on the work team; 0 without the kernels."""
+    """Rows of x up to which the kernels run on the work team in `team_loops`; 0 without
+    the kernels."""
     lib = library()
     return lib.baton_team_max_rows() if lib is not None else 0
+
+
+@contextmanager
+def team_loops() -> Iterator[None]:
+    """In the block, the calling thread's kernels run loops of up to `team_max_rows()`
+    rows on the work team, for a step whose torch ops run on one thread
+    (`torch_threads.kernels_apart`); outside it only the shortest (csrc/work_team.h), as
+    torch's OpenMP workers then spin between ops and starve the team's helpers."""
+    lib = library()
+    if lib is None:
+        yield
+        return
+    before = lib.baton_set_team_rows(lib.baton_team_max_rows())
+    try:
+        yield
+    finally:
+        lib.baton_set_team_rows(before)
 
 
 def _load() -> ctypes.CDLL | None:

@@ -11,8 +11,8 @@
  * sum(x_b)), which equals the dequantized float32 matmul up to rounding order.
  *
  * Built by workers/model/kernels.py with -mavx2 -mfma -fopenmp; the AVX-512 forms are
- * taken at run time where avx512_usable (vector_width.c). Up to TEAM_MAX_ROWS rows of x
- * run on the work team (work_team.c); more take OpenMP, which resolves to the libgomp
+ * taken at run time where avx512_usable (vector_width.c). Up to team_rows() rows of x
+ * run on the work team (work_team.h); more take OpenMP, which resolves to the libgomp
  * torch already loaded, so those loops share torch's thread pool.
  */
 #include <immintrin.h>
@@ -25,7 +25,7 @@
 #include "work_team.h"
 
 #define MAX_ROWS 8    /* rows of x per pass: 4 weight vectors + 8 accumulators fit in 16 ymm */
-_Static_assert(MAX_ROWS <= TEAM_MAX_ROWS, "the work team takes the row-at-a-time path's calls");
+_Static_assert(MAX_ROWS <= TEAM_DEFAULT_ROWS, "the work team takes the row-at-a-time path's calls");
 
 static inline __attribute__((always_inline)) void unpack(int kind, const uint8_t *p, __m256 q[4]) {
   if (kind == Q4_1) {
@@ -438,7 +438,7 @@ static void transpose_x(const float *x, int64_t M, int64_t mp, int64_t K, int64_
                    tile_width(mp, m), M - m < 8 ? M - m : 8, 8);
 }
 
-/* Up to TEAM_MAX_ROWS rows the panel runs as a work-team loop (work_team.h), an item NC
+/* Up to team_rows() rows the panel runs as a work-team loop (work_team.h), an item NC
  * weight rows, so that a thread the OS takes away never holds the step up; its buffers
  * then fit on the stack. The lead transposes x into the team's arena alone (a helper
  * late on an item reads it). */
@@ -491,7 +491,7 @@ static int panel_matmul(int kind, const float *x, int64_t M, int64_t K, const ui
                         int num_threads) {
   const int wide = avx512_usable();
   const int64_t mp = wide ? (M + 15) / 16 * 16 : (M + 7) / 8 * 8;
-  if (num_threads > 1 && M <= TEAM_MAX_ROWS)
+  if (num_threads > 1 && M <= team_rows())
     return panel_team(wide, kind, x, M, mp, K, qs, scale, min, y, N, num_threads);
   float *xt = calloc((size_t)(K * mp), sizeof(float));
   if (xt == NULL) return -1;

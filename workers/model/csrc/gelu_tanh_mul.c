@@ -36,14 +36,14 @@ int baton_gelu_tanh_mul(const float *x, int64_t T, int64_t I, float *out, int nu
   if (I % 8 != 0) return -1;
   if (I % 16 == 0 && avx512_usable()) {
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) \
-    if (T > TEAM_MAX_ROWS && T * I >= 1 << 13)  /* none beside the work team */
+    if (T > team_rows() && T * I >= 1 << 13)  /* none beside the work team */
     for (int64_t t = 0; t < T; ++t) gelu_row512(x + t * 2 * I, x + t * 2 * I + I, I, out + t * I);
     return 0;
   }
   const __m256 one = _mm256_set1_ps(1.0f), cubic = _mm256_set1_ps(0.044715f);
   const __m256 minus_two_root = _mm256_set1_ps(-2.0f * 0.7978845608028654f); /* -2 sqrt(2/pi) */
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) \
-    if (T > TEAM_MAX_ROWS && T * I >= 1 << 13)  /* none beside the work team */
+    if (T > team_rows() && T * I >= 1 << 13)  /* none beside the work team */
   for (int64_t t = 0; t < T; ++t) {
     const float *gate = x + t * 2 * I, *up = gate + I;
     for (int64_t i = 0; i < I; i += 8) {

@@ -204,7 +204,7 @@ int baton_paged_decode_attention(const float *q, const float *k_cache, const flo
       if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return -2;
   }
   const int G = Hq / Hkv;
-  if (num_threads > 1 && B <= TEAM_MAX_ROWS) {
+  if (num_threads > 1 && B <= team_rows()) {
     /* The step's queries, tables and lengths in the team's arena: a helper late on an
      * item reads them. */
     float *qa = team_arena(sizeof(float) * (size_t)(B * Hq * D) +

@@ -20,8 +20,8 @@
  * 512-token prompt and masked half of it.
  *
  * Tasks run on OpenMP (a prefill is large), the longest (last) first, dynamically, so a
- * thread the OS takes away leaves its tasks to the other. A chunk of up to TEAM_MAX_ROWS
- * queries (a step the work team runs: a short prompt, a prompt's tail after a cached
+ * thread the OS takes away leaves its tasks to the other. A chunk of up to team_rows()
+ * queries (in a step the work team runs: a short prompt, a prompt's tail after a cached
  * prefix) runs them as a work-team loop instead (work_team.h), as the step's other
  * loops then do. Each output row is one task's, so the floats do not depend on the
  * split.
@@ -415,7 +415,7 @@ int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const f
   const Prefill a = {q,   k_cache,   v_cache, slots, out, NULL, q_stride, n,  num_slots,
                      ctx, bq,        blocks,  Hq,    Hkv, D,    avx512_usable() && D % 16 == 0,
                      scale};
-  if (num_threads > 1 && n <= TEAM_MAX_ROWS) return run_on_team(a, tasks, num_threads);
+  if (num_threads > 1 && n <= team_rows()) return run_on_team(a, tasks, num_threads);
   int status = 0;
 #pragma omp parallel num_threads(num_threads)
   {

@@ -21,7 +21,7 @@ int baton_rms_norm(const float *x, const float *residual, const float *weight, i
                    int64_t D, float eps, float *out, float *summed, int num_threads) {
   if (D % 8 != 0) return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
-    if (T > TEAM_MAX_ROWS && T * D >= 1 << 16)  /* none beside the work team */
+    if (T > team_rows() && T * D >= 1 << 16)  /* none beside the work team */
   for (int64_t t = 0; t < T; ++t) {
     const float *src = x + t * D;
     if (residual != NULL) {

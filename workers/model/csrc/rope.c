@@ -20,7 +20,7 @@ int baton_rope(const float *x, int64_t row_stride, const float *cos, const float
   const int64_t half = D / 2;
   if (D % 16 != 0) return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
-    if (T > TEAM_MAX_ROWS && T * H * D >= 1 << 16)  /* none beside the work team */
+    if (T > team_rows() && T * H * D >= 1 << 16)  /* none beside the work team */
   for (int64_t t = 0; t < T; ++t) {
     const float *c = cos + t * D, *s = sin + t * D;
     for (int64_t h = 0; h < H; ++h) {

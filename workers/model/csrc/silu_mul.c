@@ -30,13 +30,13 @@ int baton_silu_mul(const float *x, int64_t T, int64_t I, float *out, int num_thr
   if (I % 8 != 0) return -1;
   if (I % 16 == 0 && avx512_usable()) {
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) \
-    if (T > TEAM_MAX_ROWS && T * I >= 1 << 13)  /* none beside the work team */
+    if (T > team_rows() && T * I >= 1 << 13)  /* none beside the work team */
     for (int64_t t = 0; t < T; ++t) silu_row512(x + t * 2 * I, x + t * 2 * I + I, I, out + t * I);
     return 0;
   }
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) \
-    if (T > TEAM_MAX_ROWS && T * I >= 1 << 13)  /* none beside the work team */
+    if (T > team_rows() && T * I >= 1 << 13)  /* none beside the work team */
   for (int64_t t = 0; t < T; ++t) {
     const float *gate = x + t * 2 * I, *up = gate + I;
     for (int64_t i = 0; i < I; i += 8) {

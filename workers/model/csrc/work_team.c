@@ -291,5 +291,15 @@ int team_run(const TeamLoop *loop, const void *ctx, int64_t ctx_bytes, int num_t
   return 0;
 }
 
+static __thread int thread_team_rows = TEAM_DEFAULT_ROWS;
+
+int team_rows(void) { return thread_team_rows; }
+
+int baton_set_team_rows(int rows) {
+  const int before = thread_team_rows;
+  thread_team_rows = rows < 0 ? 0 : rows > TEAM_MAX_ROWS ? TEAM_MAX_ROWS : rows;
+  return before;
+}
+
 /* TEAM_MAX_ROWS, for the Python side (kernels.py). */
 int baton_team_max_rows(void) { return TEAM_MAX_ROWS; }

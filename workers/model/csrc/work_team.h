@@ -6,9 +6,17 @@
 
 #include <stdint.h>
 
-/* Loops of at most this many rows of x go to the team; larger ones take OpenMP. Up to
- * 64 the elementwise kernels' rows are few enough for one thread. */
+/* Loops of at most team_rows() rows of x go to the calling thread's team (the
+ * elementwise kernels' then run on that thread alone); larger ones take OpenMP. That is
+ * TEAM_DEFAULT_ROWS, or up to TEAM_MAX_ROWS in a step whose torch ops run on one
+ * thread (baton_set_team_rows): elsewhere torch's OpenMP workers spin between its ops
+ * and starve the team's SCHED_IDLE helpers, which suits only the shortest loops. */
+#define TEAM_DEFAULT_ROWS 8
 #define TEAM_MAX_ROWS 64
+int team_rows(void);
+/* Sets the calling thread's team_rows() (clamped to [0, TEAM_MAX_ROWS]); returns the
+ * one before. */
+int baton_set_team_rows(int rows);
 int baton_team_max_rows(void);
 
 /* One parallel loop of `items` items. run(ctx, item, NULL) writes an item's outputs to
