@@ -326,12 +326,18 @@ typedef struct {
  * group of four takes. */
 static int64_t task_rows(int64_t bq, int G) { return bq * G + QUAD - 1; }
 
-/* Task i (the last queries, with the most keys, first) into out, with the key and value
- * blocks at blk and o, m, l and s (a group's rows of scores) from o. */
+/* Task i's query tokens [t0, t1): the last queries, with the most keys, first. */
+static void task_tokens(const Prefill *a, int64_t i, int64_t *t0, int64_t *t1) {
+  *t0 = (a->blocks - 1 - i / a->Hkv) * a->bq;
+  *t1 = *t0 + a->bq < a->n ? *t0 + a->bq : a->n;
+}
+
+/* Task i into out, with the key and value blocks at blk and o, m, l and s (a group's
+ * rows of scores) from o. */
 static void run_task(const Prefill *a, int64_t i, float *out, Blocks *blk, float *o,
                      int64_t rows) {
-  const int64_t b = a->blocks - 1 - i / a->Hkv;
-  const int64_t t0 = b * a->bq, t1 = t0 + a->bq < a->n ? t0 + a->bq : a->n;
+  int64_t t0, t1;
+  task_tokens(a, i, &t0, &t1);
   float *m = o + rows * a->D, *l = m + rows, *s = l + rows;
   (a->wide ? task_avx512 : task_avx2)(a->q, a->q_stride, a->n, a->k_cache, a->v_cache,
                                       a->num_slots, a->slots, a->ctx, a->Hq, a->Hkv, a->D,
@@ -362,8 +368,8 @@ static void team_task(const void *ctx, int64_t i, float *scratch) {
 static void team_commit(const void *ctx, int64_t i, const float *scratch) {
   const Prefill *a = ctx;
   const int G = a->Hq / a->Hkv, h = (int)(i % a->Hkv);
-  const int64_t t0 = (a->blocks - 1 - i / a->Hkv) * a->bq;
-  const int64_t t1 = t0 + a->bq < a->n ? t0 + a->bq : a->n;
+  int64_t t0, t1;
+  task_tokens(a, i, &t0, &t1);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t at = (t * a->Hq + h * G) * a->D;
     memcpy(a->out + at, scratch + at, sizeof(float) * (size_t)(G * a->D));

@@ -14,6 +14,17 @@
 #include "simd.h"
 #include "work_team.h"
 
+/* One row: out[0:I] = silu(gate[0:I]) * up[0:I], 8 lanes at a time. */
+static void silu_row(const float *gate, const float *up, int64_t I, float *out) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < I; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+}
+
+/* silu_row, 16 lanes at a time (I a multiple of 16). */
 static __attribute__((target("avx512f,avx512dq"))) void silu_row512(const float *gate,
                                                                       const float *up,
                                                                       int64_t I, float *out) {
@@ -28,22 +39,10 @@ static __attribute__((target("avx512f,avx512dq"))) void silu_row512(const float 
 /* Returns 0, or -1 when I is not a multiple of 8. */
 int baton_silu_mul(const float *x, int64_t T, int64_t I, float *out, int num_threads) {
   if (I % 8 != 0) return -1;
-  if (I % 16 == 0 && avx512_usable()) {
+  void (*row)(const float *, const float *, int64_t, float *) =
+      I % 16 == 0 && avx512_usable() ? silu_row512 : silu_row;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) \
     if (T > team_rows() && T * I >= 1 << 13)  /* none beside the work team */
-    for (int64_t t = 0; t < T; ++t) silu_row512(x + t * 2 * I, x + t * 2 * I + I, I, out + t * I);
-    return 0;
-  }
-  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) \
-    if (T > team_rows() && T * I >= 1 << 13)  /* none beside the work team */
-  for (int64_t t = 0; t < T; ++t) {
-    const float *gate = x + t * 2 * I, *up = gate + I;
-    for (int64_t i = 0; i < I; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
-      _mm256_storeu_ps(out + t * I + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-    }
-  }
+  for (int64_t t = 0; t < T; ++t) row(x + t * 2 * I, x + t * 2 * I + I, I, out + t * I);
   return 0;
 }

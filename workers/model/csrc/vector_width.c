@@ -1,8 +1,8 @@
 /* Whether the kernels' AVX-512 forms run: the library is built for AVX2, and the block
- * matmuls' row paths, the 16-bit rounded matmul and the prefill attention (its products
- * and softmax) have AVX-512 forms too (target attributes), taken where the CPU has
- * AVX512F, BW and DQ, the set torch's own AVX512 capability needs. Tests turn them off
- * to run both. */
+ * matmuls (both paths), the 16-bit rounded matmul, the prefill attention (its products
+ * and softmax) and the gated activations have AVX-512 forms too (target attributes),
+ * taken where the CPU has AVX512F, BW and DQ, the set torch's own AVX512 capability
+ * needs. Tests turn them off to run both. */
 #include "simd.h"
 
 static int allowed = 1;
