@@ -16,7 +16,8 @@ microsecond, which the `python_and_rest` share includes):
 - `sampling`: the sampler;
 - `python_and_rest`: everything else (module dispatch, the scheduler, views, outputs).
 Printed per scenario and part: milliseconds per step and share of the step, then the
-step's total; --threads sets torch's threads as an engine of that many would have.
+step's total and its page faults (memory the step touched fresh); --threads sets
+torch's threads as an engine of that many would have.
 
     .venv/bin/python bench/step_breakdown.py [--model smollm2-135m-instruct] [--threads 1]
         [--steps 64] [--modules]
@@ -25,6 +26,7 @@ step's total; --threads sets torch's threads as an engine of that many would hav
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 import uuid
 from collections import defaultdict
@@ -82,9 +84,9 @@ def _instrument() -> None:
 def _measure(
     engine: LLMEngine, prompts: list[list[int]], decode: bool, steps: int, cached: int = 0
 ):
-    """(seconds per step, {part: seconds per step}) over `steps` decode steps of the
-    prompts' sequences, or over their prefill step; the first `cached` tokens of each
-    prompt are prefilled (and cached) beforehand, not measured."""
+    """(seconds per step, {part: seconds per step}, page faults per step) over `steps`
+    decode steps of the prompts' sequences, or over their prefill step; the first
+    `cached` tokens of each prompt are prefilled (and cached) beforehand, not measured."""
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     if cached:
         for p in prompts:
@@ -98,17 +100,19 @@ def _measure(
         engine.step()  # the prefill, not measured
     _spent.clear()
     counted = steps if decode else 1
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for _ in range(counted):
         engine.step()
     total = (time.perf_counter() - start) / counted
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / counted
     parts = {k: v / counted for k, v in _spent.items()}
     hits = engine.stats().prefix_cache_hits - hits
     if hits != len(prompts) * (cached - cached % engine.config.block_size):
         raise RuntimeError(f"the prompts hit {hits} cached tokens; {cached} each were meant to")
     while engine.has_unfinished():
         engine.step()
-    return total, parts
+    return total, parts, faults
 
 
 def main() -> None:
@@ -151,7 +155,7 @@ def main() -> None:
         "commit": git_commit(),
     }
     for name, (prompts, decode, cached) in scenarios.items():
-        total, parts = _measure(engine, prompts, decode, args.steps, cached)
+        total, parts, faults = _measure(engine, prompts, decode, args.steps, cached)
         parts["python_and_rest"] = total - sum(parts.values())
         for part, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
             emit(
@@ -163,7 +167,8 @@ def main() -> None:
             )
             log(f"{name:22s} {part:16s} {seconds * 1e3:8.2f} ms  {seconds / total:6.1%}")
         emit(f"step.{name}.total_ms", total * 1e3, "ms", **context)
-        log(f"{name:22s} {'total':16s} {total * 1e3:8.2f} ms")
+        emit(f"step.{name}.page_faults", faults, "faults", **context)
+        log(f"{name:22s} {'total':16s} {total * 1e3:8.2f} ms  ({faults:.0f} page faults)")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FACES = {"workers.engine", "workers.model", "workers.runner"}
 
 # workers' folders (and top-level modules), lowest first: each imports only those before it.
-LAYERS = ["torch_threads", "errors", "model", "kv", "runner", "engine"]
+LAYERS = ["torch_threads", "heap_policy", "errors", "model", "kv", "runner", "engine"]
 
 
 def _modules(package: str) -> Iterator[tuple[str, Path]]:

@@ -17,6 +17,11 @@ tables hold before the window is never read.
 
 A step's metadata is one `AttentionMetadata` per KV-cache group: the groups' block
 tables, and so the slots a token writes, differ. Each layer reads its own group's.
+
+The last layer of a step that samples only some of its rows (a prefill samples from its
+last token) computes the rest no further than their K/V: its metadata selects the rows
+(`select_rows`), and each selected row attends as a decoding query does, to its context
+in the cache, its own K/V just written. The layer's MLP then runs on those rows alone.
 """
 
 from __future__ import annotations
@@ -104,8 +109,30 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The rows whose outputs a layer returns (None: every row), in the step's flat order,
+    # and their contexts as decoding queries (`num_decode` rows, no slots).
+    selected_rows: torch.Tensor | None = None
+    selected: AttentionMetadata | None = None
     _gather: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _window_bias: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def select_rows(self, rows: torch.Tensor, contexts: AttentionMetadata) -> AttentionMetadata:
+        """This step's metadata for a layer that returns only `rows`' outputs, whose
+        contexts (block tables and lengths, their own token included) are `contexts`'."""
+        if contexts.num_decode != rows.numel():
+            raise RuntimeError(
+                f"{rows.numel()} selected rows but contexts for {contexts.num_decode}"
+            )
+        return AttentionMetadata(
+            self.slot_mapping,
+            self.block_size,
+            self.num_decode,
+            self.decode_tables,
+            self.decode_lengths,
+            self.prefills,
+            selected_rows=rows,
+            selected=contexts,
+        )
 
     def decode_gather(
         self, num_kv_heads: int, num_blocks: int, dtype: torch.dtype, window: int | None = None
@@ -130,6 +157,18 @@ class AttentionMetadata:
             before = pos < self.decode_lengths[:, None] - window
             self._window_bias[window] = bias.masked_fill(before, float("-inf"))
         return rows, self._window_bias[window]
+
+
+def layer_metadata(
+    num_layers: int,
+    meta: list[AttentionMetadata],
+    last_meta: list[AttentionMetadata] | None = None,
+) -> list[list[AttentionMetadata]]:
+    """Each layer's metadata: the step's, the last layer's `last_meta` where given."""
+    layers = [meta] * num_layers
+    if last_meta is not None and num_layers:
+        layers[-1] = last_meta
+    return layers
 
 
 def decode_cache_rows(
@@ -193,13 +232,16 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,
         step: list[AttentionMetadata],
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]; `step`: one metadata per
-        KV-cache group."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D], or [R, Hq * D] for the R rows
+        the metadata selects; `step`: one metadata per KV-cache group."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("PagedAttention has no KV cache bound; call bind_cache first")
         meta = step[self.kv_group]
         k_heads, v_heads = k.transpose(0, 1), v.transpose(0, 1)
         self._write_cache(k, v, meta.slot_mapping)
+        if meta.selected is not None:
+            rows = meta.selected_rows
+            return self._decode(q[rows], meta.selected).reshape(rows.numel(), -1)
 
         tokens = q.shape[0]
         if not meta.prefills:  # the common pure-decode step: no scatter into a buffer

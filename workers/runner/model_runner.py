@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from workers.heap_policy import keep_freed_memory
 from workers.kv import cache_copy
 from workers.kv import transport as kv_transport
 from workers.kv.kv_groups import KVCacheGroups
@@ -42,6 +43,8 @@ class ModelRunner:
         tp: TPGroup | None = None,
         activation_bits: int = 32,
     ):
+        # A step's tensors of megabytes are reused from the heap, not faulted in anew.
+        keep_freed_memory()
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -131,20 +134,33 @@ class ModelRunner:
             )
             for group in range(self.groups.num_groups)
         ]
-        hidden = self.model(
-            torch.tensor(token_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-        )
-        rows = [
-            row
+        # The rows sampled from, each with its chunk: the last of a sampling chunk's (and
+        # those of its drafts).
+        sampled = [
+            (row, step.chunks[i])
             for i, c in enumerate(step.chunks)
             if c.sample
             for row in range(last_row[i] - c.num_drafts, last_row[i] + 1)
         ]
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        last_meta = None
+        if len(sampled) < len(token_ids) and not any(c.prompt_targets for c in step.chunks):
+            # The other rows matter only for their K/V: the last layer computes the
+            # sampled rows alone (at least one row, for a step that samples none).
+            selected = sampled or [(len(token_ids) - 1, step.chunks[prefills[-1]])]
+            last_meta = self._selecting(meta, selected, positions)
+        hidden = self.model(
+            torch.tensor(token_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            meta,
+            last_meta,
+        )
+        if last_meta is None:
+            rows_t = torch.tensor([r for r, _ in sampled], dtype=torch.long, device=self.device)
+            sampled_hidden = hidden[rows_t]
+        else:
+            sampled_hidden = hidden[: len(sampled)]
         # The sampler runs on the host with host generators, as for a TP group's logits.
-        logits = self.model.compute_logits(hidden[rows_t]).float().cpu()
+        logits = self.model.compute_logits(sampled_hidden).float().cpu()
         prompt = {
             i: self._prompt_logprobs(hidden, first_row[i] + c.prompt_from, c)
             for i, c in enumerate(step.chunks)
@@ -187,6 +203,30 @@ class ModelRunner:
             meta.prefills.append(PrefillChunk(first_row[i], n, context))
         meta.slot_mapping = torch.cat(slot_mapping).to(self.device)
         return meta
+
+    def _selecting(
+        self,
+        meta: list[AttentionMetadata],
+        selected: list[tuple[int, SeqChunk]],
+        positions: list[int],
+    ) -> list[AttentionMetadata]:
+        """Each group's metadata for a last layer that computes only the `selected` rows
+        (row, its chunk): each row's context as a decoding query's, up to its position."""
+        rows = torch.tensor([r for r, _ in selected], dtype=torch.long)
+        lengths = torch.tensor([positions[r] + 1 for r, _ in selected], dtype=torch.long)
+        chunks = [c for _, c in selected]
+        contexts = [
+            AttentionMetadata(
+                slot_mapping=torch.empty(0, dtype=torch.long),
+                block_size=self.block_size,
+                num_decode=len(selected),
+                decode_tables=self._decode_tables(chunks, group, lengths).to(self.device),
+                decode_lengths=lengths.to(self.device),
+            )
+            for group in range(len(meta))
+        ]
+        rows = rows.to(self.device)
+        return [m.select_rows(rows, c) for m, c in zip(meta, contexts, strict=True)]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first: int, c: SeqChunk) -> PromptLogprobRows:
         """The targets' logprobs and the top-n, `_PROMPT_ROWS` positions at a time: only

@@ -99,13 +99,19 @@ class CausalLM(nn.Module):
         self.fused_decode = FusedDecode.build(self.model)
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: list[AttentionMetadata],
+        last_meta: list[AttentionMetadata] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] for the flattened step batch."""
+        """Final hidden states [T, hidden] for the flattened step batch; with `last_meta`
+        (the step's metadata selecting R rows: AttentionMetadata.select_rows), [R, hidden]
+        for those rows, the others computed no further than the last layer's K/V."""
         fused = self.fused_decode
-        if fused is not None and fused.takes(meta, token_ids.shape[0]):
+        if last_meta is None and fused is not None and fused.takes(meta, token_ids.shape[0]):
             return fused(token_ids, positions, meta)
-        return self.model(token_ids, positions, meta)
+        return self.model(token_ids, positions, meta, last_meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)

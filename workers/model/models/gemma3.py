@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.model.attention import AttentionMetadata, PagedAttention
+from workers.model.attention import AttentionMetadata, PagedAttention, layer_metadata
 from workers.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from workers.model.mlp import GatedMLP
 from workers.model.models.causal_lm import CausalLM
@@ -108,12 +108,15 @@ class DecoderLayer(nn.Module):
         meta: list[AttentionMetadata],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's post-feedforward output, the residual stream before it): as in
-        llama.py, each output joins the stream in the next norm's pass."""
+        llama.py, each output joins the stream in the next norm's pass, and both are the
+        selected rows' where `meta` selects rows."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
         attn = self.post_attention_layernorm(self.self_attn(h, ropes[self.layer_type], meta))
+        if meta[0].selected_rows is not None:
+            residual = residual[meta[0].selected_rows]
         h, residual = self.pre_feedforward_layernorm(attn, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
@@ -144,12 +147,17 @@ class Gemma3Model(nn.Module):
         self.norm = Gemma3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: list[AttentionMetadata],
+        last_meta: list[AttentionMetadata] | None = None,
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(token_ids) * self.embed_scale, None
         ropes = {kind: rotary.tables(positions) for kind, rotary in self.rotary.items()}
-        for layer in self.layers:
-            x, residual = layer(x, residual, ropes, meta)
+        metas = layer_metadata(len(self.layers), meta, last_meta)
+        for layer, layer_meta in zip(self.layers, metas, strict=True):
+            x, residual = layer(x, residual, ropes, layer_meta)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.model.attention import AttentionMetadata, PagedAttention
+from workers.model.attention import AttentionMetadata, PagedAttention, layer_metadata
 from workers.model.config import ModelConfig
 from workers.model.mlp import GatedMLP
 from workers.model.models.causal_lm import CausalLM
@@ -74,12 +74,16 @@ class DecoderLayer(nn.Module):
         meta: list[AttentionMetadata],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): each layer's output
-        joins the stream in the next norm, so the add rides along with the norm."""
+        joins the stream in the next norm, so the add rides along with the norm. Where
+        `meta` selects rows (attention.py), both are those rows'."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, meta), residual)
+        h = self.self_attn(h, rope, meta)
+        if meta[0].selected_rows is not None:
+            residual = residual[meta[0].selected_rows]
+        h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
@@ -98,12 +102,19 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: list[AttentionMetadata],
+        last_meta: list[AttentionMetadata] | None = None,
     ) -> torch.Tensor:
+        """Final hidden states; the last layer's metadata is `last_meta` where given (the
+        rows it selects: CausalLM.forward)."""
         x, residual = self.embed_tokens(token_ids), None
         rope = self.rotary.tables(positions)
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, meta)
+        metas = layer_metadata(len(self.layers), meta, last_meta)
+        for layer, layer_meta in zip(self.layers, metas, strict=True):
+            x, residual = layer(x, residual, rope, layer_meta)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
