@@ -6,14 +6,16 @@ with `ignore_eos`:
 - `single_stream_decode_tok_s`: one request at a time (a 32-word prompt, --output-len
   tokens); decode tokens/s after the first token, the median of a round's requests;
 - `c8_tok_s`, `c32_tok_s`: 8 / 32 requests in flight, aggregate output tokens/s;
-- `ttft_512_s`: a fresh 512-word prompt, one new token: time to first token;
+- `ttft_512_s`: a fresh 512-word prompt, one new token: time to first token, the
+  median of a round's three (each once the machine is idle);
 - `ttft_1024_cached_s`: a 1,024-word prompt whose first 960 words an earlier request
   sent (a prefix cache's case), and `ttft_1024_cold_s`: the same length, fresh.
 Prompts are words that most tokenizers make one token each; every line carries the
 prompt tokens the server counted. They come from a fresh seed each run (printed in every
 line; --seed repeats one), since a server may keep an earlier run's prompts cached.
 Each round runs every scenario on every system in turn, each turn once the machine is
-idle (`settle`), so drift on a shared machine falls on all alike; the medians over
+idle (`settle`), so drift on a shared machine falls on all alike, and each round starts
+with the next system, so that none always follows the same one; the medians over
 --rounds are printed per system, then `ratio.<scenario>.<system>_over_<peer>` for the
 first system (Baton) over each other one (for TTFT lower is better, so a ratio under 1
 is a win).
@@ -51,6 +53,7 @@ SCENARIOS = {
 }
 COLD_1024 = ("ttft_1024_cold_s", "s", True)
 SINGLE_REQUESTS = 3  # per round: a median of three streams
+TTFT_REQUESTS = 3  # per round: a median of three 512-word prompts
 # Before each system's turn at a scenario the machine must be this idle (busy share of
 # all cores over a window), at most SETTLE_MAX_S: a server that keeps its cores busy
 # after its requests (vLLM's worker spins for about a second) must not slow the next.
@@ -108,9 +111,12 @@ def run_scenario(
         tokens = sum(r.output_tokens for r in _checked(results, name))
         return [(SCENARIOS[name], tokens / seconds, results[0].prompt_tokens)]
     if name == "ttft512":
-        (request,) = prompts.batch(name, round_, 1, 512, 1)
-        ttft, tokens = _ttft(endpoint, request.prompt, name)
-        return [(SCENARIOS[name], ttft, tokens)]
+        times = []
+        for request in prompts.batch(name, round_, TTFT_REQUESTS, 512, 1):
+            settle()  # the request before must not slow this one
+            ttft, tokens = _ttft(endpoint, request.prompt, name)
+            times.append(ttft)
+        return [(SCENARIOS[name], statistics.median(times), tokens)]
     if name == "ttft1024":
         head, prompt = prompts.shared_prefix(round_, 960, 1024)
         _ttft(endpoint, head, "the 960-word prefix")  # what the cache then holds
@@ -187,9 +193,13 @@ def main() -> None:
     values: dict[tuple[str, str], list[float]] = {}
     units: dict[str, tuple[str, bool]] = {}
     tokens: dict[tuple[str, str], int] = {}
+    names = list(endpoints)
     for round_ in range(args.rounds):
+        # Round r starts with system r (mod the count): each follows each other in turn.
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for scenario in scenarios:
-            for name, endpoint in endpoints.items():
+            for name in order:
+                endpoint = endpoints[name]
                 settle()
                 for (metric, unit, lower), value, prompt_tokens in run_scenario(
                     scenario, endpoint, prompts, round_, args.output_len
