@@ -111,3 +111,26 @@ def test_prompt_logprobs_keep_every_row(model_dir):
     assert rows == [12]
     assert out.logits.shape == (1, 320)
     assert out.prompt_logprobs[0].logprobs.shape == (11,)
+
+
+def test_one_token_chunks_that_sample_nothing_still_write_their_kv(model_dir):
+    """A prompt's one-token chunk that does not end it runs as a decode row that samples
+    nothing: with no prefill chunk in the step, its K/V are still written."""
+    selecting = ModelRunner(model_dir, NUM_BLOCKS, BLOCK, 128)
+    every_row = ModelRunner(model_dir, NUM_BLOCKS, BLOCK, 128)
+    every_row._selecting = lambda *args: None
+    caches = []
+    for runner in (selecting, every_row):
+        steps = [
+            StepInput(
+                [_chunk(runner, 0, 0, 1, sample=False), _chunk(runner, 1, 0, 1, sample=False)]
+            ),
+            StepInput(
+                [_chunk(runner, 0, 1, 5, sample=True), _chunk(runner, 1, 1, 2, sample=False)]
+            ),
+        ]
+        logits = [runner.execute(step).logits for step in steps]
+        assert [t.shape for t in logits] == [(0, 320), (1, 320)]
+        caches.append([layer.k_cache.clone() for layer in runner.model.attention_layers()])
+    for got, want in zip(*caches, strict=True):
+        assert torch.equal(got, want)

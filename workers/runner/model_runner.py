@@ -146,7 +146,8 @@ class ModelRunner:
         if len(sampled) < len(token_ids) and not any(c.prompt_targets for c in step.chunks):
             # The other rows matter only for their K/V: the last layer computes the
             # sampled rows alone (at least one row, for a step that samples none).
-            selected = sampled or [(len(token_ids) - 1, step.chunks[prefills[-1]])]
+            last = max(last_row, key=last_row.get)  # the chunk of the step's last row
+            selected = sampled or [(last_row[last], step.chunks[last])]
             last_meta = self._selecting(meta, selected, positions)
         hidden = self.model(
             torch.tensor(token_ids, device=self.device),
