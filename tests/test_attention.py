@@ -7,12 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from workers.model import kernels
-from workers.model.attention import (
-    AttentionMetadata,
-    PagedAttention,
-    PrefillChunk,
-    decode_cache_rows,
-)
+from workers.model.attention import PagedAttention
+from workers.model.attention_metadata import AttentionMetadata, PrefillChunk, decode_cache_rows
 
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS = 6, 2, 8, 4, 16
 

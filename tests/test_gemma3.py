@@ -17,7 +17,8 @@ from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.model import kernels
-from workers.model.attention import AttentionMetadata, PagedAttention, PrefillChunk
+from workers.model.attention import PagedAttention
+from workers.model.attention_metadata import AttentionMetadata, PrefillChunk
 from workers.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from workers.model.loader import load_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_model import make_tiny_model
 
-from workers.model.attention import AttentionMetadata, PrefillChunk
+from workers.model.attention_metadata import AttentionMetadata, PrefillChunk
 from workers.model.loader import load_model
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from workers.model import kernels
-from workers.model.attention import AttentionMetadata, PagedAttention, PrefillChunk
+from workers.model.attention import PagedAttention
+from workers.model.attention_metadata import AttentionMetadata, PrefillChunk
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="needs Baton's CPU kernels")
 

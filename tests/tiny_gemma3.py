@@ -71,7 +71,7 @@ def tp_rank_prefill_logits(
     in `model_dir`, prefills `ids` and, on rank 0, saves the logits to `out`."""
     import torch.distributed as dist
 
-    from workers.model.attention import AttentionMetadata, PrefillChunk
+    from workers.model.attention_metadata import AttentionMetadata, PrefillChunk
     from workers.model.loader import load_model
     from workers.model.parallel import TPGroup
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from workers.model import kernels
-from workers.model.attention import AttentionMetadata
+from workers.model.attention_metadata import AttentionMetadata
 from workers.model.block_matmul import KIND_IDS, block_rows_limit
 from workers.model.mlp import GatedMLP, silu_mul
 from workers.model.norm import RMSNorm

@@ -17,7 +17,7 @@ from workers.kv import cache_copy
 from workers.kv import transport as kv_transport
 from workers.kv.kv_groups import KVCacheGroups
 from workers.kv.transport import KVPart
-from workers.model.attention import AttentionMetadata, PrefillChunk
+from workers.model.attention_metadata import AttentionMetadata, PrefillChunk
 from workers.model.loader import load_model
 from workers.model.parallel import TPGroup
 from workers.runner.runner_spec import RunnerSpec

@@ -438,6 +438,14 @@ static void transpose_x(const float *x, int64_t M, int64_t mp, int64_t K, int64_
                    tile_width(mp, m), M - m < 8 ? M - m : 8, 8);
 }
 
+/* A team helper's item, output columns [n0, n1) of M rows packed in its scratch
+ * ([M][n1 - n0]), copied to their places in y (rows N floats apart). */
+static void commit_columns(const float *scratch, int64_t M, int64_t n0, int64_t n1, float *y,
+                           int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    memcpy(y + m * N + n0, scratch + m * (n1 - n0), sizeof(float) * (size_t)(n1 - n0));
+}
+
 /* Up to team_rows() rows the panel runs as a work-team loop (work_team.h), an item NC
  * weight rows, so that a thread the OS takes away never holds the step up; its buffers
  * then fit on the stack. The lead transposes x into the team's arena alone (a helper
@@ -466,8 +474,7 @@ static void panel_run(const void *ctx, int64_t item, float *scratch) {
 static void panel_commit(const void *ctx, int64_t item, const float *scratch) {
   const PanelLoop *l = ctx;
   const int64_t n0 = item * NC, n1 = n0 + NC < l->N ? n0 + NC : l->N;
-  for (int64_t m = 0; m < l->M; ++m)
-    memcpy(l->y + m * l->N + n0, scratch + m * (n1 - n0), sizeof(float) * (size_t)(n1 - n0));
+  commit_columns(scratch, l->M, n0, n1, l->y, l->N);
 }
 
 static int64_t panel_scratch(const void *ctx) { return ((const PanelLoop *)ctx)->M * NC; }
@@ -564,8 +571,7 @@ static void rows_run(const void *ctx, int64_t item, float *scratch) {
 static void rows_commit(const void *ctx, int64_t item, const float *scratch) {
   const RowsLoop *l = ctx;
   const int64_t n0 = item * l->width, n1 = n0 + l->width < l->N ? n0 + l->width : l->N;
-  for (int64_t m = 0; m < l->M; ++m)
-    memcpy(l->y + m * l->N + n0, scratch + m * (n1 - n0), sizeof(float) * (size_t)(n1 - n0));
+  commit_columns(scratch, l->M, n0, n1, l->y, l->N);
 }
 
 static int64_t rows_scratch(const void *ctx) {

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from workers.model import kernels
-from workers.model.attention import AttentionMetadata, PagedAttention
+from workers.model.attention import PagedAttention
+from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
 from workers.model.fused_decode import FusedDecode
 from workers.model.parallel import (

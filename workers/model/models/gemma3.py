@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.model.attention import AttentionMetadata, PagedAttention, layer_metadata
+from workers.model.attention import PagedAttention
+from workers.model.attention_metadata import AttentionMetadata, layer_metadata
 from workers.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from workers.model.mlp import GatedMLP
 from workers.model.models.causal_lm import CausalLM

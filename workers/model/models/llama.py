@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.model.attention import AttentionMetadata, PagedAttention, layer_metadata
+from workers.model.attention import PagedAttention
+from workers.model.attention_metadata import AttentionMetadata, layer_metadata
 from workers.model.config import ModelConfig
 from workers.model.mlp import GatedMLP
 from workers.model.models.causal_lm import CausalLM
@@ -75,7 +76,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): each layer's output
         joins the stream in the next norm, so the add rides along with the norm. Where
-        `meta` selects rows (attention.py), both are those rows'."""
+        `meta` selects rows (attention_metadata.py), both are those rows'."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:

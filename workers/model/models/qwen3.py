@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.attention import AttentionMetadata, PagedAttention
+from workers.model.attention import PagedAttention
+from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
 from workers.model.models.causal_lm import CausalLM
 from workers.model.models.llama import DecoderLayer, LlamaModel, RopeTables
