@@ -9,6 +9,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ray import serve
+from ray.serve.context import _get_global_client
 
 # How long an answer of the controller is used before it is asked again.
 REFRESH_S = 1.0
@@ -16,12 +17,18 @@ REFRESH_S = 1.0
 
 def running_replicas() -> dict[str, int]:
     """Running replicas per deployment of this replica's application (blocks on a call
-    to Serve's controller: run it off the event loop)."""
+    to Serve's controller: run it off the event loop).
+
+    Read from the controller's plain answer: `serve.status()` validates the same answer
+    into pydantic models, which cloudpickles each deployment's request router class,
+    about 5 ms of CPU a call (against 0.5) taken from the engines' cores."""
     app = serve.get_replica_context().app_name
-    status = serve.status().applications.get(app)
-    if status is None:
-        return {}
-    return {name: d.replica_states.get("RUNNING", 0) for name, d in status.deployments.items()}
+    details = _get_global_client().get_serve_details()
+    deployments = details.get("applications", {}).get(app, {}).get("deployments", {})
+    return {
+        name: sum(r["state"] == "RUNNING" for r in d.get("replicas", ()))
+        for name, d in deployments.items()
+    }
 
 
 class PoolWatch:

@@ -285,6 +285,20 @@ static inline void transpose8(const float *src, int64_t src_stride, float *dst,
   }
 }
 
+/* y[m][n - col0] = yt[n - n0][m] for m < M, n in [n0, n1) (rows of y ys floats apart,
+ * of yt mp). Eight rows of y at a time, all their columns, so that each of y's cache
+ * lines is written whole before the next rows: where ys is a multiple of 1,024 floats
+ * (the gate/up projection's 3,072), every row of y falls in the same L1 set, and going
+ * down the rows eight columns at a time lost each line between its two halves (9% of
+ * that projection). */
+static inline void store_transposed(const float *yt, int64_t mp, int64_t M, float *y,
+                                    int64_t ys, int64_t col0, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; m += 8)
+    for (int64_t n = n0; n < n1; n += 8)
+      transpose8(yt + (n - n0) * mp + m, mp, y + m * ys + n - col0, ys,
+                 n1 - n < 8 ? n1 - n : 8, M - m < 8 ? M - m : 8);
+}
+
 /* Weight rows [n0, n1) against all M rows of x, transposed and padded to mp rows in
  * tiles of MT: tile m0 is [K][tile width] at xt + m0 * K (see tile_width). */
 static void panel_chunk(int kind, const float *xt, int64_t M, int64_t mp, int64_t K,
@@ -306,10 +320,7 @@ static void panel_chunk(int kind, const float *xt, int64_t M, int64_t mp, int64_
       }
     }
   }
-  for (int64_t n = n0; n < n1; n += 8)
-    for (int64_t m = 0; m < M; m += 8)
-      transpose8(yt + (n - n0) * mp + m, mp, y + m * ys + n - col0, ys,
-                 n1 - n < 8 ? n1 - n : 8, M - m < 8 ? M - m : 8);
+  store_transposed(yt, mp, M, y, ys, col0, n0, n1);
 }
 
 /* The panel on AVX-512 (where avx512_usable): a vector carries 16 rows of x, so one
@@ -393,10 +404,7 @@ static inline AVX512 __attribute__((always_inline)) void panel_body512(
       }
     }
   }
-  for (int64_t n = n0; n < n1; n += 8)
-    for (int64_t m = 0; m < M; m += 8)
-      transpose8(yt + (n - n0) * mp + m, mp, y + m * ys + n - col0, ys,
-                 n1 - n < 8 ? n1 - n : 8, M - m < 8 ? M - m : 8);
+  store_transposed(yt, mp, M, y, ys, col0, n0, n1);
 }
 
 /* panel_body512() with the kind a constant in each call. */
