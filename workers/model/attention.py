@@ -106,8 +106,13 @@ class PagedAttention(nn.Module):
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            out[rows] = self._prefill(
-                q[rows], k_heads[:, rows], v_heads[:, rows], chunk, meta.slot_mapping[rows]
+            self._prefill(
+                q[rows],
+                k_heads[:, rows],
+                v_heads[:, rows],
+                chunk,
+                meta.slot_mapping[rows],
+                out[rows],
             )
         return out.view(tokens, -1)
 
@@ -180,14 +185,15 @@ class PagedAttention(nn.Module):
             )
         return out
 
-    def _prefill_kernel(self, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Through csrc/prefill_attention.c: the chunk's queries (the context's last)
-        against the context's keys and values, read from the cache through `slots`,
-        causally, in key blocks a query block never sees past."""
+    def _prefill_kernel(self, q: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Through csrc/prefill_attention.c, into `out` (contiguous, q's shape): the
+        chunk's queries (the context's last) against the context's keys and values, read
+        from the cache through `slots`, causally, in key blocks a query block never sees
+        past."""
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()
         slots = slots.to(torch.int64).contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype)
+        assert out.is_contiguous() and out.shape == q.shape
         status = self._prefill_lib.baton_prefill_attention(
             q.data_ptr(),
             q.stride(0),
@@ -206,7 +212,6 @@ class PagedAttention(nn.Module):
         )
         if status != 0:
             raise RuntimeError(f"prefill attention refused its shape or slots (status {status})")
-        return out
 
     def _decode_gathered(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_blocks = self.k_cache.shape[1] // meta.block_size
@@ -266,12 +271,15 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,
         chunk: PrefillChunk,
         chunk_slots: torch.Tensor,
-    ) -> torch.Tensor:
-        """q [n, Hq, D], the chunk's k, v [Hkv, n, D] (already in the cache at
-        `chunk_slots`) -> [n, Hq, D]."""
+        out: torch.Tensor,
+    ) -> None:
+        """out [n, Hq, D] = attention of q [n, Hq, D] over the context, the chunk's k, v
+        [Hkv, n, D] already in the cache at `chunk_slots`. The kernel writes `out` in
+        place; SDPA's result is copied there."""
         if self._prefill_lib is not None and q.dtype == torch.float32:
             slots = chunk.context_slots if chunk.context_slots is not None else chunk_slots
-            return self._prefill_kernel(q, slots)
+            self._prefill_kernel(q, slots, out)
+            return
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if self.sliding_window is not None:
             slots, mask = chunk.windowed(self.sliding_window, q.device)
@@ -283,5 +291,4 @@ class PagedAttention(nn.Module):
             k = self.k_cache.index_select(1, slots).unsqueeze(0)
             v = self.v_cache.index_select(1, slots).unsqueeze(0)
         causal = mask is None  # a fresh chunk: its own keys, the diagonal top-left
-        out = self._attend(q, k, v, mask, causal=causal, gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+        out.copy_(self._attend(q, k, v, mask, causal=causal, gqa=True).squeeze(0).transpose(0, 1))
