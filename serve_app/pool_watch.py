@@ -32,27 +32,33 @@ def running_replicas() -> dict[str, int]:
 
 
 class PoolWatch:
-    """Whether one deployment of this application has a running replica, as the
-    controller last said. `has_running()` never waits: it returns the last answer and,
-    when that is older than REFRESH_S, asks again on a thread of its own. Until the first
-    answer, and while the controller cannot be asked, the pool counts as running (its
-    calls then fail or wait as they would without the watch)."""
+    """This application's running replicas per deployment, and whether one deployment has
+    any, as the controller last said. Reading never waits: it returns the last answer
+    and, when that is older than REFRESH_S, asks again on a thread of its own."""
 
     def __init__(self, deployment: str) -> None:
         self.deployment = deployment
-        self._running = True
+        self._counts: dict[str, int] | None = None
         self._asked_at = -REFRESH_S
         self._pending: Future | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pool-watch")
 
-    def has_running(self) -> bool:
+    def counts(self) -> dict[str, int] | None:
+        """Running replicas per deployment; None until the controller first answers. While
+        it cannot be asked, its last answer stands."""
         if self._pending is None and time.monotonic() - self._asked_at > REFRESH_S:
             self._asked_at = time.monotonic()
             self._pending = self._thread.submit(running_replicas)
             self._pending.add_done_callback(self._answered)
-        return self._running
+        return self._counts
+
+    def has_running(self) -> bool:
+        """Whether `deployment` has a running replica. Until the first answer it counts as
+        running (its calls then fail or wait as they would without the watch)."""
+        counts = self.counts()
+        return counts is None or counts.get(self.deployment, 0) > 0
 
     def _answered(self, answer: Future) -> None:
         self._pending = None
         if answer.exception() is None:
-            self._running = answer.result().get(self.deployment, 0) > 0
+            self._counts = answer.result()

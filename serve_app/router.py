@@ -53,7 +53,7 @@ from serve_app.openai.responses import (
 )
 from serve_app.openai.responses_api import ResponsesBuilder, ResponsesRequest, renamed
 from serve_app.openai.tokenize import DetokenizeRequest, TokenizeRequest
-from serve_app.pool_watch import REFRESH_S, running_replicas
+from serve_app.pool_watch import PoolWatch, running_replicas
 from serve_app.protocol import EngineRequest
 from serve_app.routing.registry_lookup import RegistryLookup
 from serve_app.serve_config import DEPLOYMENT_NAMES
@@ -155,8 +155,9 @@ class Router(HealthService):
         self.pool = pool.options(stream=True, _by_reference=config.output_channel == "actor_call")
         self.metrics = RouterMetrics(app_name, self.served_model_name)
         self.max_migrations = config.router.max_migrations
-        self._counts: dict[str, int] = {}
-        self._counts_at = -REFRESH_S
+        # The pool whose replicas stream the outputs: without one running, nothing serves.
+        self.streaming_pool = "aggregated" if "aggregated" in config.pools() else "decode"
+        self.pools = PoolWatch(DEPLOYMENT_NAMES[self.streaming_pool])
         self.demux = OutputDemux(self.pool.subscribe.remote)
 
     def __del__(self) -> None:
@@ -181,7 +182,7 @@ class Router(HealthService):
             self.frontend.build_request(uuid.uuid4().hex, ids, p, cache_salt) for p in choices
         ]
         await self.frontend.check_structured(choices[0])  # the choices share it
-        if requests[0].block_hashes:
+        if requests[0].block_hashes and self._hints_can_route():
             hits = await self.registry.longest_prefixes(requests[0].block_hashes)
             requests = [replace(r, prefix_hits=hits) for r in requests]
         requests = [replace(r, router_id=self.demux.router_id) for r in requests]
@@ -264,7 +265,7 @@ class Router(HealthService):
             prompt = prompt[: len(prompt) - params.resumed_tokens] + emitted
             params = replace(params, resumed_tokens=len(emitted), prompt_logprobs=None)
         request = self.frontend.build_request(uuid.uuid4().hex, prompt, params, lost.cache_salt)
-        if request.block_hashes:
+        if request.block_hashes and self._hints_can_route():
             hits = await self.registry.longest_prefixes(request.block_hashes)
             request = replace(request, prefix_hits=hits)
         return replace(request, router_id=self.demux.router_id)
@@ -361,21 +362,26 @@ class Router(HealthService):
         return {"status": "degraded" if degraded else "ok", "pools": counts}
 
     async def _pool_counts(self) -> dict[str, int]:
-        """Running replicas per pool, as Serve's controller last said (asked at most once
-        per REFRESH_S: health probes come often)."""
-        now = time.monotonic()
-        if now - self._counts_at > REFRESH_S:
+        """Running replicas per pool, as Serve's controller last said (the watch asks at
+        most once per REFRESH_S: health probes come often; the first probe asks itself)."""
+        by_deployment = self.pools.counts()
+        if by_deployment is None:
             by_deployment = await asyncio.to_thread(running_replicas)
-            self._counts = {
-                role: by_deployment.get(DEPLOYMENT_NAMES[role], 0) for role in self.config.pools()
-            }
-            self._counts_at = now
-        return self._counts
+        return {role: by_deployment.get(DEPLOYMENT_NAMES[role], 0) for role in self.config.pools()}
 
     async def _serving(self) -> bool:
         counts = await self._pool_counts()
-        streaming = "aggregated" if "aggregated" in counts else "decode"
-        return counts.get(streaming, 0) > 0
+        return counts[self.streaming_pool] > 0
+
+    def _hints_can_route(self) -> bool:
+        """Whether the registry's prefix hints can change where a request goes: some pool
+        has several running replicas, as Serve's controller last said (assumed until it
+        has). With one replica a pool, as `baton serve` deploys, there is no choice to
+        make, and the lookup would only add its round trip (2-3 ms) to every request."""
+        counts = self.pools.counts()
+        if counts is None:
+            return True
+        return any(counts.get(DEPLOYMENT_NAMES[role], 0) > 1 for role in self.config.pools())
 
     @http_app.get("/version")
     async def version(self) -> dict:
