@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import warnings
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from workers.engine.block_hash import BlockHash
 from workers.engine.handoff.handle import StalePrefixError
 from workers.engine.sampling_params import SamplingParams, TokenLogprob
 from workers.engine.sequence import FinishReason
+from workers.kv import cache_copy
 from workers.kv.blocks import KVBlocks
 from workers.kv.cache_copy import export_blocks, import_blocks
 from workers.runner.model_runner import ModelRunner
@@ -40,6 +42,25 @@ def _filled_runner(model_dir, seed: int, dtype=torch.float32) -> ModelRunner:
         k.copy_(torch.randn(k.shape, generator=g))
         v.copy_(torch.randn(v.shape, generator=g))
     return runner
+
+
+def test_a_copy_past_the_parallel_size_moves_the_same_blocks(monkeypatch):
+    """From PARALLEL_COPY_BYTES on a copy takes torch's threads: the same floats land."""
+    cache = torch.randn(2, 2, 3, 64 * 16, 8)  # [buffers, k/v, heads, slots, dim]
+    src = SimpleNamespace(kv_cache=cache, block_size=16, kv_rank=0, kv_size=1)
+    dst = SimpleNamespace(kv_cache=torch.zeros_like(cache), block_size=16, kv_rank=0, kv_size=1)
+    blocks = [5, 40, 2, 63]
+    copies = []
+    for threshold in (1 << 40, 0):  # one thread, then every copy parallel
+        monkeypatch.setattr(cache_copy, "PARALLEL_COPY_BYTES", threshold)
+        kv = cache_copy.export_blocks(src, blocks)
+        cache_copy.import_blocks(dst, [1, 2, 3, 4], kv)
+        copies.append((kv.data.clone(), dst.kv_cache.clone()))
+    (one_kv, one_dst), (par_kv, par_dst) = copies
+    assert torch.equal(one_kv, par_kv) and torch.equal(one_dst, par_dst)
+    blocked = cache.view(2, 2, 3, 64, 16, 8)
+    assert torch.equal(par_kv, blocked[:, :, :, blocks])
+    assert torch.equal(par_dst.view(2, 2, 3, 64, 16, 8)[:, :, :, 1:5], blocked[:, :, :, blocks])
 
 
 def _block(cache: torch.Tensor, block: int, block_size: int = 4) -> torch.Tensor:

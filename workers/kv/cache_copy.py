@@ -3,6 +3,7 @@ one indexed copy per cache tensor."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -31,11 +32,18 @@ def _blocked(runner: KVCacheHolder) -> torch.Tensor:
     return runner.kv_cache.view(buffers, two, heads, slots // size, size, dim)
 
 
-# Handoff copies run on the calling thread alone. On a machine whose cores a serving
-# path and other replicas share, a parallel region waits at its end for a worker the OS
-# has taken away, which costs a busy replica far more than a second thread saves; in a
-# quiet process one thread copies a prompt's KV in a small fraction of its prefill
-# (bench/RESULTS.md, "KV handoff: copies and transports").
+# Handoff copies of a few blocks run on the calling thread alone. On a machine whose
+# cores a serving path and other replicas share, a parallel region waits at its end for
+# a worker the OS has taken away, which costs a busy replica far more than a second
+# thread saves on a short prompt's copy (bench/RESULTS.md, "KV handoff: copies and
+# transports"). From PARALLEL_COPY_BYTES on, a copy is one region long enough to gain:
+# a 512-token prompt's 24 MB took 1.7 ms on one thread of the Zen 5 EPYC and 0.9 on two,
+# each way, on its first token's path.
+PARALLEL_COPY_BYTES = 4 << 20
+
+
+def _copy_threads(nbytes: int) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if nbytes >= PARALLEL_COPY_BYTES else one_thread()
 
 
 def export_blocks(
@@ -45,7 +53,8 @@ def export_blocks(
     out of `runner`'s cache (on its device)."""
     cache = _blocked(runner)
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
-    with one_thread():
+    nbytes = cache[:, :, :, :1].numel() * cache.element_size() * len(block_ids)
+    with _copy_threads(nbytes):
         data = cache.index_select(3, ids)
     return KVBlocks(data, runner.kv_rank, runner.kv_size, start_block)
 
@@ -65,5 +74,5 @@ def import_blocks(runner: KVCacheHolder, block_ids: Sequence[int], kv: KVBlocks)
             f"expected {expected} (buffers, k/v, kv heads, blocks, block size, head dim)"
         )
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
-    with one_thread():
+    with _copy_threads(kv.data.numel() * cache.element_size()):
         cache.index_copy_(3, ids, kv.data.to(device=cache.device, dtype=cache.dtype))
