@@ -21,7 +21,7 @@ def running_replicas() -> dict[str, int]:
 
     Read from the controller's plain answer: `serve.status()` validates the same answer
     into pydantic models, which cloudpickles each deployment's request router class,
-    about 5 ms of CPU a call (against 0.5) taken from the engines' cores."""
+    several times the CPU, taken from the engines' cores while requests come."""
     app = serve.get_replica_context().app_name
     details = _get_global_client().get_serve_details()
     deployments = details.get("applications", {}).get(app, {}).get("deployments", {})

@@ -56,6 +56,7 @@ from serve_app.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from serve_app.pool_watch import PoolWatch, running_replicas
 from serve_app.protocol import EngineRequest
 from serve_app.routing.registry_lookup import RegistryLookup
+from serve_app.routing.request_router import hints_can_route
 from serve_app.serve_config import DEPLOYMENT_NAMES
 from serve_app.streaming.output_demux import OutputDemux
 from serve_app.streaming.stream_merge import merge_streams
@@ -374,14 +375,11 @@ class Router(HealthService):
         return counts[self.streaming_pool] > 0
 
     def _hints_can_route(self) -> bool:
-        """Whether the registry's prefix hints can change where a request goes: some pool
-        has several running replicas, as Serve's controller last said (assumed until it
-        has). With one replica a pool, as `baton serve` deploys, there is no choice to
-        make, and the lookup would only add its round trip (2-3 ms) to every request."""
-        counts = self.pools.counts()
-        if counts is None:
-            return True
-        return any(counts.get(DEPLOYMENT_NAMES[role], 0) > 1 for role in self.config.pools())
+        """Whether to ask the registry: only while its hints can change a route, as Serve's
+        controller last said. With one replica a pool, as `baton serve` deploys, the lookup
+        would only add its round trip to every request."""
+        pools = (DEPLOYMENT_NAMES[role] for role in self.config.pools())
+        return hints_can_route(self.pools.counts(), pools)
 
     @http_app.get("/version")
     async def version(self) -> dict:

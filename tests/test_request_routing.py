@@ -9,7 +9,12 @@ import pytest
 from ray.serve.request_router import FIFOMixin
 
 from serve_app.protocol import ROUTING_HINT_ATTR, Subscription
-from serve_app.routing.request_router import Candidate, KVAwareRequestRouter, rank_candidates
+from serve_app.routing.request_router import (
+    Candidate,
+    KVAwareRequestRouter,
+    hints_can_route,
+    rank_candidates,
+)
 
 
 def _c(rid: str, prefix: int = 0, load: int = 0, free: float = 1.0) -> Candidate:
@@ -119,3 +124,13 @@ def test_a_replica_whose_engine_failed_gets_nothing_while_another_can_serve():
     assert sorted(r for rank in ranks for r in rank) == ["a", "fresh"]
     # None healthy: the call goes to one anyway and fails fast, rather than waiting.
     assert _choose(_router(), [dead], request) == [["dead"]]
+
+
+def test_prefix_hints_route_only_where_a_pool_has_a_choice():
+    pools = ["PrefillServer", "DecodeServer"]
+    assert not hints_can_route({"PrefillServer": 1, "DecodeServer": 1, "Router": 3}, pools)
+    assert hints_can_route({"PrefillServer": 2, "DecodeServer": 1}, pools)
+    assert hints_can_route({"PrefillServer": 1, "DecodeServer": 4}, pools)
+    assert not hints_can_route({"PrefillServer": 0}, pools)  # nothing to choose from
+    assert hints_can_route(None, pools)  # not known yet: ask
+    assert not hints_can_route({"EngineServer": 1}, ["EngineServer"])

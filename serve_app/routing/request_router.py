@@ -35,6 +35,7 @@ landed and lets it go).
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -67,6 +68,15 @@ def rank_candidates(
 
     shuffled = random.sample(candidates, len(candidates))
     return sorted(shuffled, key=key)  # stable: ties keep the random order
+
+
+def hints_can_route(running: Mapping[str, int] | None, deployments: Iterable[str]) -> bool:
+    """Whether prefix hints can change where a request goes: some of the pools it passes
+    through (`deployments`) has more than one running replica (`running`, per deployment;
+    None when not known yet, which counts as yes). A pool of one has no choice to make."""
+    if running is None:
+        return True
+    return any(running.get(name, 0) > 1 for name in deployments)
 
 
 class KVAwareRequestRouter(FIFOMixin, RequestRouter):

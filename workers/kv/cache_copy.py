@@ -36,9 +36,8 @@ def _blocked(runner: KVCacheHolder) -> torch.Tensor:
 # cores a serving path and other replicas share, a parallel region waits at its end for
 # a worker the OS has taken away, which costs a busy replica far more than a second
 # thread saves on a short prompt's copy (bench/RESULTS.md, "KV handoff: copies and
-# transports"). From PARALLEL_COPY_BYTES on, a copy is one region long enough to gain:
-# a 512-token prompt's 24 MB took 1.7 ms on one thread of the Zen 5 EPYC and 0.9 on two,
-# each way, on its first token's path.
+# transports"). From PARALLEL_COPY_BYTES on, a copy is one region long enough to gain,
+# and a long prompt's export and import both sit on its first token's path.
 PARALLEL_COPY_BYTES = 4 << 20
 
 

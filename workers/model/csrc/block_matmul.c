@@ -288,9 +288,9 @@ static inline void transpose8(const float *src, int64_t src_stride, float *dst,
 /* y[m][n - col0] = yt[n - n0][m] for m < M, n in [n0, n1) (rows of y ys floats apart,
  * of yt mp). Eight rows of y at a time, all their columns, so that each of y's cache
  * lines is written whole before the next rows: where ys is a multiple of 1,024 floats
- * (the gate/up projection's 3,072), every row of y falls in the same L1 set, and going
- * down the rows eight columns at a time lost each line between its two halves (9% of
- * that projection). */
+ * (the gate/up projection's 3,072, the LM head's 49,152), every row of y falls in the
+ * same L1 set, and going down the rows eight columns at a time lost each line between
+ * its two halves. */
 static inline void store_transposed(const float *yt, int64_t mp, int64_t M, float *y,
                                     int64_t ys, int64_t col0, int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < M; m += 8)
