@@ -8,7 +8,9 @@
  * One task is a KV head and a block of up to BQ query tokens: the group of query heads
  * that share the KV head, BQ * group rows, meet each block of BK keys once. A short
  * chunk (a prompt's tail after a cached prefix) takes smaller blocks, down to 16
- * tokens, so that each thread has a few tasks to balance. The keys of a block are
+ * tokens, so that each thread has two tasks to balance: no more, as every task copies
+ * its whole context's keys and values, which for a short chunk after a long prefix
+ * costs about what its products do. The keys of a block are
  * copied transposed (Kt [D][BK]) and its values in rows, so that scores are rows of
  * x Kt and the output rows of P x V, both broadcast-and-multiply-add loops over vectors
  * of 8 floats, two rows at a time (of 16, four rows, where AVX-512 runs: each key or
@@ -416,7 +418,7 @@ int baton_prefill_attention(const float *q, int64_t q_stride, int64_t n, const f
   if (n == 0) return 0;
   const int G = Hq / Hkv;
   int64_t bq = BQ;
-  while (bq > 16 && (n + bq - 1) / bq * Hkv < 4 * (int64_t)num_threads) bq /= 2;
+  while (bq > 16 && (n + bq - 1) / bq * Hkv < 2 * (int64_t)num_threads) bq /= 2;
   const int64_t blocks = (n + bq - 1) / bq, tasks = blocks * Hkv;
   const Prefill a = {q,   k_cache,   v_cache, slots, out, NULL, q_stride, n,  num_slots,
                      ctx, bq,        blocks,  Hq,    Hkv, D,    avx512_usable() && D % 16 == 0,
