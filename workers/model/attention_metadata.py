@@ -15,7 +15,7 @@ in the cache, its own K/V just written. The layer's MLP then runs on those rows 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -104,16 +104,7 @@ class AttentionMetadata:
             raise RuntimeError(
                 f"{rows.numel()} selected rows but contexts for {contexts.num_decode}"
             )
-        return AttentionMetadata(
-            self.slot_mapping,
-            self.block_size,
-            self.num_decode,
-            self.decode_tables,
-            self.decode_lengths,
-            self.prefills,
-            selected_rows=rows,
-            selected=contexts,
-        )
+        return replace(self, selected_rows=rows, selected=contexts)
 
     def decode_gather(
         self, num_kv_heads: int, num_blocks: int, dtype: torch.dtype, window: int | None = None

@@ -215,6 +215,7 @@ class ModelRunner:
         (row, its chunk): each row's context as a decoding query's, up to its position."""
         rows = torch.tensor([r for r, _ in selected], dtype=torch.long)
         lengths = torch.tensor([positions[r] + 1 for r, _ in selected], dtype=torch.long)
+        device_lengths = lengths.to(self.device)
         chunks = [c for _, c in selected]
         contexts = [
             AttentionMetadata(
@@ -222,7 +223,7 @@ class ModelRunner:
                 block_size=self.block_size,
                 num_decode=len(selected),
                 decode_tables=self._decode_tables(chunks, group, lengths).to(self.device),
-                decode_lengths=lengths.to(self.device),
+                decode_lengths=device_lengths,
             )
             for group in range(len(meta))
         ]
