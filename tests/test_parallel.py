@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.model import parallel
+from workers.model.dense_panels import dense_panels_usable
 from workers.model.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -28,6 +29,12 @@ def _layers(dtype: torch.dtype):
     return column, row
 
 
+def _many_row_copy(layer: parallel.PackableLinear):
+    """The copy a layer keeps for batches: Baton's panels (fp32 on AVX-512) or oneDNN's."""
+    assert layer.panels is None or layer.packed is None, "one many-row copy"
+    return layer.panels if layer.panels is not None else layer.packed
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7])
 def test_packed_projections_compute_what_f_linear_does(dtype, rows, monkeypatch):
@@ -42,7 +49,7 @@ def test_packed_projections_compute_what_f_linear_does(dtype, rows, monkeypatch)
         if layer.bias is not None:
             expected += layer.bias.float()
         layer.pack()
-        assert (layer.packed is not None) == (dtype == torch.float32 or onednn_bf16)
+        assert (_many_row_copy(layer) is not None) == (dtype == torch.float32 or onednn_bf16)
         got = layer(x)
         assert got.dtype == dtype and got.shape == expected.shape
         # bf16 keeps ~3 significant digits; the sums here are of order 1.
@@ -55,8 +62,10 @@ def test_packing_is_used_where_the_cpu_has_it():
     column16, _ = _layers(torch.bfloat16)
     column32.pack()
     column16.pack()
-    # fp32 keeps oneDNN's blocked copy and a transposed one for single rows.
-    assert column32.packed is not None and column32.weight_t is not None
+    # fp32 keeps a many-row copy (the panels where the CPU has AVX-512, else oneDNN's
+    # blocked one) and a transposed one for single rows.
+    assert (column32.panels is not None) == dense_panels_usable()
+    assert _many_row_copy(column32) is not None and column32.weight_t is not None
     assert column32.weight is None
     # bf16 is re-laid out only where the CPU multiplies bf16 natively (F.linear otherwise),
     # and then keeps only oneDNN's copy, the fastest at every row count.
@@ -78,7 +87,7 @@ def test_the_faster_single_row_copy_is_kept_and_computes_the_same(times, kept, m
     assert parallel.keep_faster_single_row_copy(list(layers)) == kept
     for layer, x, want in zip(layers, xs, expected, strict=True):
         assert (layer.weight_t is None) == (kept == "packed")
-        assert layer.packed is not None
+        assert _many_row_copy(layer) is not None
         torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=0)
     # Nothing left to choose between: no copy is dropped twice, nothing is timed.
     monkeypatch.setattr(parallel, "_time_single_row", lambda sample, rounds: 1 / 0)

@@ -12,7 +12,9 @@
 - `baton_silu_mul`: SwiGLU's silu(gate) * up over the fused projection, and
   `baton_gelu_tanh_mul`: GeGLU's gelu_tanh(gate) * up (mlp.py);
 - `baton_decode_layers`: a Llama-family decode step through all layers, calling the
-  kernels above in one call (fused_decode.py).
+  kernels above in one call (fused_decode.py);
+- `baton_dense_matmul`: float32 matmuls of many rows (a prefill's projections) against
+  a weight `baton_pack_dense` laid out in column panels (dense_panels.py).
 
 Steps of up to `team_max_rows()` rows run the matmuls and the attention on a work team
 of threads (csrc/work_team.c) rather than OpenMP's, so that a thread the OS takes away
@@ -21,12 +23,12 @@ ops on one thread); elsewhere only loops of up to 8 rows take the team.
 
 They are C with AVX2/FMA intrinsics and OpenMP, compiled with the system's C compiler
 into Baton's cache (about three seconds, no torch headers or ninja). The block
-matmuls, the rounded matmul, the prefill attention's products and the gated activations
-have AVX-512 forms, built into the same library and taken at run time where the CPU has
-it (csrc/vector_width.c;
-`baton_use_avx512` lets tests choose). OpenMP resolves to
-the libgomp torch already loaded, so their larger loops share torch's thread pool; ctypes
-releases the GIL while they run. Without a compiler or AVX2, `library()` is None and
+matmuls, the rounded matmul, the dense matmul, the prefill attention's products and the
+gated activations have AVX-512 forms, built into the same library and taken at run time
+where the CPU has it (csrc/vector_width.c; `baton_use_avx512` lets tests choose); the
+dense matmul's weights are laid out only there. OpenMP resolves to the libgomp torch
+already loaded, so their larger loops share torch's thread pool; ctypes releases the
+GIL while they run. Without a compiler or AVX2, `library()` is None and
 the model runs on torch's own operators, as on every other device.
 """
 
@@ -87,6 +89,9 @@ _PROTOTYPES = {
     "baton_silu_mul": [_ptr, _i64, _i64, _ptr, _int],
     "baton_gelu_tanh_mul": [_ptr, _i64, _i64, _ptr, _int],
     "baton_decode_layers": [_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int],
+    "baton_dense_panel_width": [],
+    "baton_pack_dense": [_ptr, _i64, _i64, _ptr],
+    "baton_dense_matmul": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int],
     "baton_team_max_rows": [],
     "baton_set_team_rows": [_int],
     "baton_use_avx512": [_int],

@@ -29,6 +29,7 @@ from workers.model.block_matmul import (
     block_rows_limit,
 )
 from workers.model.config import kv_shards
+from workers.model.dense_panels import DensePanels, dense_panels_usable
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,14 @@ class PackableLinear(nn.Module):
     In bf16 (CPUs with AMX or AVX512-BF16) oneDNN's copy is the fastest at every row
     count, ahead of F.linear in bf16; it is the only copy kept. The plain [out, in]
     weight is released. bench/RESULTS.md ("Model kernels") has the figures.
+    Where the CPU has AVX-512, fp32's many-row copy is Baton's own column panels
+    (dense_panels.py) instead of oneDNN's: as fast on a quiet machine, and a thread
+    taken away mid-call leaves its share to the others.
     """
 
     weight: nn.Parameter | None
     packed: torch.Tensor | None = None
+    panels: DensePanels | None = None
     weight_t: torch.Tensor | None = None
     # The GGUF's own blocks of this weight (block_matmul.py), for batches of up to
     # `block_rows_limit()` rows; they replace the transposed one-row copy.
@@ -143,7 +148,10 @@ class PackableLinear(nn.Module):
         if self.weight is None or not _can_pack(self.weight):
             return
         weight = self.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        if weight.dtype == torch.float32 and dense_panels_usable():
+            self.panels = DensePanels.pack(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         if weight.dtype == torch.float32 and self.blocks is None:
             self.weight_t = weight.t().contiguous()
         self.weight = None
@@ -152,12 +160,19 @@ class PackableLinear(nn.Module):
         if self.blocks is not None and x.shape[0] <= block_rows_limit():
             out = self.blocks.matmul(x, self.activation_bits)
             return out if bias is None else out + bias
-        if self.packed is None:
-            return F.linear(x, self.weight, bias)
         if x.shape[0] == 1 and self.weight_t is not None:
             out = x @ self.weight_t
             return out if bias is None else out + bias
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return self.many_rows(x, bias)
+
+    def many_rows(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias) through the copy kept for batches: the panels, oneDNN's
+        blocked copy, or the plain weight where neither was made."""
+        if self.panels is not None:
+            return self.panels.matmul(x, bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
 
 # Weight bytes a timing of one-row matmuls streams: several times any CPU cache, so it
@@ -171,10 +186,15 @@ _PACKED_MARGIN = 0.9
 
 def keep_faster_single_row_copy(layers: list[PackableLinear], rounds: int = 3) -> str | None:
     """Times one-row matmuls through the fp32 layers' transposed copies and through
-    oneDNN's packed ones (alternating, best of `rounds`) and keeps one for every layer:
-    the packed one where it is clearly faster, else the transposed one. Returns the kept
-    kind, "transposed" or "packed"; None when no layer holds both."""
-    both = [m for m in layers if m.packed is not None and m.weight_t is not None]
+    their many-row ones (oneDNN's or the panels; alternating, best of `rounds`) and keeps
+    one for every layer: the many-row one where it is clearly faster, else the
+    transposed one. Returns the kept kind, "transposed" or "packed"; None when no layer
+    holds both."""
+    both = [
+        m
+        for m in layers
+        if (m.packed is not None or m.panels is not None) and m.weight_t is not None
+    ]
     if not both:
         return None
     sample, num_bytes = [], 0
@@ -186,8 +206,7 @@ def keep_faster_single_row_copy(layers: list[PackableLinear], rounds: int = 3) -
     transposed_s, packed_s = _time_single_row(sample, rounds)
     keep = "packed" if packed_s < _PACKED_MARGIN * transposed_s else "transposed"
     log.info(
-        "one-row matmuls over %d MB of weights: transposed %.1f ms, oneDNN packed %.1f ms; "
-        "keeping %s",
+        "one-row matmuls over %d MB of weights: transposed %.1f ms, packed %.1f ms; keeping %s",
         num_bytes // 2**20,
         transposed_s * 1e3,
         packed_s * 1e3,
@@ -208,7 +227,7 @@ def _time_single_row(layers: list[PackableLinear], rounds: int) -> tuple[float, 
         start = time.perf_counter()
         for m, x in zip(layers, rows, strict=True):
             if packed:
-                torch.ops.mkldnn._linear_pointwise(x, m.packed, None, "none", [], "")
+                m.many_rows(x)
             else:
                 x @ m.weight_t
         return time.perf_counter() - start

@@ -149,8 +149,9 @@ class TPWorker:
                 t = getattr(module, name, None)
                 if t is not None:
                     total += t.numel() * t.element_size()
-            blocks = getattr(module, "blocks", None)
-            total += 0 if blocks is None else blocks.nbytes
+            for name in ("blocks", "panels"):
+                copy = getattr(module, name, None)
+                total += 0 if copy is None else copy.nbytes
         return total
 
     def visible_devices(self) -> str:
