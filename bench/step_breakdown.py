@@ -7,7 +7,8 @@ microsecond, which the `python_and_rest` share includes):
 - `fused_layers`: a pure-decode step's layers in one C call (fused_decode.py), where
   the model takes it; the parts below are then the prefill's, and --modules runs every
   step on the modules to split a decode step into them;
-- `layer_matmuls`: the projections (block kernel up to 128 rows, oneDNN above);
+- `layer_matmuls`: the projections (the block kernel up to `block_rows_limit()` rows,
+  the float32 copy above: dense panels on AVX-512, oneDNN elsewhere);
 - `lm_head`: the output projection and any final soft-capping;
 - `attention`: paged attention, the KV write included;
 - `small_kernels`: RMSNorm (with the residual add), rope and the gated activation

@@ -87,11 +87,19 @@ def test_both_vector_widths_give_the_same_bits():
     assert torch.equal(narrow, panels.matmul(x))
 
 
+def test_leading_dimensions_are_rows():
+    weight, x = torch.randn(10, 8), torch.randn(2, 3, 8)
+    got = DensePanels.pack(weight).matmul(x)
+    assert got.shape == (2, 3, 10)
+    torch.testing.assert_close(got, x @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert DensePanels.pack(weight).matmul(torch.empty(0, 8)).shape == (0, 10)
+
+
 def test_bad_inputs_are_refused():
     panels = DensePanels.pack(torch.randn(10, 8))
-    with pytest.raises(RuntimeError, match=r"float32 \[M, 8\]"):
+    with pytest.raises(RuntimeError, match=r"float32 \[\.\.\., 8\]"):
         panels.matmul(torch.randn(3, 9))
-    with pytest.raises(RuntimeError, match=r"float32 \[M, 8\]"):
+    with pytest.raises(RuntimeError, match=r"float32 \[\.\.\., 8\]"):
         panels.matmul(torch.randn(3, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="bias"):
         panels.matmul(torch.randn(3, 8), torch.randn(9))

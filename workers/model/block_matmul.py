@@ -11,7 +11,8 @@ from them). Batches of over 8 rows are compute-bound; the kernel then dequantize
 few weight rows at a time into cache and runs an outer-product micro-kernel over all
 rows at once (16 rows a vector where the CPU has AVX-512, 8 on AVX2), which beats
 oneDNN's float32 GEMM up to 128 rows where oneDNN has AVX2 alone and up to 64 where it
-has AVX-512 (`block_rows_limit`); larger batches stay with oneDNN. A one-row call may
+has AVX-512 (`block_rows_limit`); larger batches take the float32 copy (dense_panels.py
+on AVX-512, oneDNN's elsewhere). A one-row call may
 first round x to 16 or 8 bits per block and multiply in integers
 (`csrc/rounded_matmul.c`, `EngineConfig.activations`): faster, and no longer the
 float32 arithmetic.

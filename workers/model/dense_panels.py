@@ -63,18 +63,18 @@ class DensePanels:
         return self.panels.numel() * self.panels.element_size()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] float32 @ weight.T (+ bias) -> [M, N]."""
+        """x [..., K] float32 @ weight.T (+ bias) -> [..., N]."""
         k = self.panels.shape[1]
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-            raise RuntimeError(f"dense matmul takes float32 [M, {k}], got {x.shape}")
+        if x.dtype != torch.float32 or x.dim() < 1 or x.shape[-1] != k:
+            raise RuntimeError(f"dense matmul takes float32 [..., {k}], got {x.shape}")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (self.out_features,)):
             raise RuntimeError(f"dense matmul's bias must be float32 [{self.out_features}]")
-        x = x.contiguous()
+        rows = x.reshape(-1, k).contiguous()
         bias = None if bias is None else bias.contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         _library().baton_dense_matmul(
-            x.data_ptr(),
-            x.shape[0],
+            rows.data_ptr(),
+            rows.shape[0],
             k,
             self.panels.data_ptr(),
             self.out_features,
@@ -82,7 +82,7 @@ class DensePanels:
             out.data_ptr(),
             kernel_threads(),
         )
-        return out
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def _library():
