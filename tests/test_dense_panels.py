@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.model import kernels
 from workers.model.block_matmul import WeightBlocks
 from workers.model.dense_panels import DensePanels
+
+pytestmark = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="Baton's CPU kernels need AVX2",
+)
 
 # Rows past one task's 256 (csrc/dense_matmul.c's MC), and counts that leave partial
 # micro-kernels (8 rows on AVX-512, 2 on AVX2); columns that leave a partial panel of 48.
@@ -40,18 +46,18 @@ def test_the_padding_columns_are_zero_weights():
     assert not panels[1, :, 2:].any()
 
 
-def test_each_output_is_the_same_whatever_the_rows_and_threads():
+def test_each_output_is_the_same_whatever_the_rows_and_threads(vector_width):
     # One chain of multiply-adds along K per output: a row's result does not depend on
     # the rows beside it, the task split or the thread count.
-    weight = torch.randn(200, 160)
+    weight, bias = torch.randn(200, 160), torch.randn(200)
     x = torch.randn(600, 160)
     panels = DensePanels.pack(weight)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        whole = panels.matmul(x)
+        whole = panels.matmul(x, bias)
         torch.set_num_threads(1)
-        alone = torch.cat([panels.matmul(x[i : i + 5]) for i in range(0, 600, 5)])
+        alone = torch.cat([panels.matmul(x[i : i + 5], bias) for i in range(0, 600, 5)])
     finally:
         torch.set_num_threads(before)
     assert torch.equal(whole, alone)
@@ -73,18 +79,18 @@ def test_outputs_are_the_block_kernels_on_its_dequantized_weights(vector_width, 
     assert torch.equal(DensePanels.pack(blocks.dequantize()).matmul(x), blocks.matmul(x))
 
 
-def test_both_vector_widths_give_the_same_bits():
-    from workers.model import kernels
-
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_both_vector_widths_give_the_same_bits(with_bias):
     lib = kernels.library()
     weight, x = torch.randn(100, 70), torch.randn(21, 70)
+    bias = torch.randn(100) if with_bias else None
     panels = DensePanels.pack(weight)
     try:
         lib.baton_use_avx512(0)
-        narrow = panels.matmul(x)
+        narrow = panels.matmul(x, bias)
     finally:
         lib.baton_use_avx512(1)
-    assert torch.equal(narrow, panels.matmul(x))
+    assert torch.equal(narrow, panels.matmul(x, bias))
 
 
 def test_leading_dimensions_are_rows():
@@ -103,5 +109,5 @@ def test_bad_inputs_are_refused():
         panels.matmul(torch.randn(3, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="bias"):
         panels.matmul(torch.randn(3, 8), torch.randn(9))
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 .* got torch.bfloat16"):
         DensePanels.pack(torch.randn(10, 8, dtype=torch.bfloat16))

@@ -181,11 +181,27 @@ def test_small_batches_run_on_the_blocks_and_compute_what_float32_does(
         )
     # Every layer, projections and head, takes the blocks up to the CPU's limit (128
     # rows where oneDNN has AVX2, 64 with AVX-512: the kernel's row-at-a-time path to 8,
-    # its outer-product path from 9, in tiles of 32 rows past 32), and oneDNN past it.
+    # its outer-product path from 9, in tiles of 32 rows past 32), and the float32 copy
+    # past it (the dense panels on AVX-512, oneDNN's elsewhere).
     limit = parallel.block_rows_limit()
     taken = [rows for rows in (1, 5, 8, 9, 32, 45, 128, 129) if rows <= limit]
     assert all(calls.count(rows) == len(layers) for rows in taken)
     assert set(calls) == set(taken)
+
+
+@pytest.mark.skipif(not dense_panels_usable(), reason="the panels run where torch has AVX-512")
+def test_a_row_is_the_same_on_either_side_of_the_block_limit(quantized_dir):
+    # Up to the limit a layer with blocks runs the block kernel's outer-product path,
+    # past it the float32 panels: each output is the same chain of multiply-adds, so a
+    # prompt's projections do not change with the size of the chunk it came in.
+    from workers.model.loader import load_model
+
+    limit = parallel.block_rows_limit()
+    layers = _linear_layers(load_model(quantized_dir))
+    for name, layer in layers.items():
+        assert layer.blocks is not None and layer.panels is not None, name
+        x = torch.randn(limit + 1, layer.panels.panels.shape[1])
+        assert torch.equal(layer.matmul(x)[:limit], layer.matmul(x[:limit])), name
 
 
 def test_the_block_kernel_takes_up_to_the_rows_it_wins_at_on_the_cpu():

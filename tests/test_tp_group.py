@@ -95,8 +95,16 @@ def test_tp_runs_in_bfloat16(ray_cluster, tmp_path):
 
 
 def test_each_rank_holds_its_share_of_the_weights(ray_cluster, tmp_path):
+    # Every column-parallel width, whole and a rank's, is a multiple of 48: the dense
+    # panels (dense_panels.py) pad a weight's output columns to one, and padding a
+    # quarter's last panel is not a quarter of padding the whole's.
     model_dir = make_tiny_model(
-        tmp_path, num_heads=4, num_kv_heads=4, hidden_size=128, intermediate_size=512
+        tmp_path,
+        num_heads=4,
+        num_kv_heads=4,
+        hidden_size=128,
+        intermediate_size=576,
+        vocab_size=384,
     )
     spec = _spec(model_dir)
     full = TPWorkerGroup(1, spec)

@@ -9,9 +9,9 @@ until it is back, and every layer's matmuls pay for every such moment.
 threads take as they come free, so the other thread does the waiting one's share.
 
 Each output is one chain of fused multiply-adds along K, the same whatever the row
-count: a prompt's K/V do not change with the size of the chunk it was prefilled in,
-and on a model with GGUF blocks the outputs are the block kernel's own
-(`block_matmul.py`, below `block_rows_limit()` rows) bit for bit.
+count or the split. On a model with GGUF blocks the outputs are those of the block
+kernel's outer-product path (`block_matmul.py`, 9 to `block_rows_limit()` rows) bit for
+bit, so a prompt's K/V do not change as its chunk crosses that limit.
 
 Used where the kernels are built and torch's CPU capability is AVX-512 (the micro-kernel
 is written for 32 zmm registers); elsewhere `PackableLinear` keeps oneDNN's copy.
@@ -50,7 +50,10 @@ class DensePanels:
     def pack(cls, weight: torch.Tensor) -> DensePanels:
         lib = _library()
         if weight.dtype != torch.float32 or weight.dim() != 2:
-            raise RuntimeError(f"dense panels take a float32 [N, K] weight, got {weight.shape}")
+            raise RuntimeError(
+                f"dense panels take a float32 [N, K] weight, got {weight.dtype} "
+                f"{tuple(weight.shape)}"
+            )
         weight = weight.contiguous()
         n, k = weight.shape
         width = lib.baton_dense_panel_width()
@@ -66,7 +69,9 @@ class DensePanels:
         """x [..., K] float32 @ weight.T (+ bias) -> [..., N]."""
         k = self.panels.shape[1]
         if x.dtype != torch.float32 or x.dim() < 1 or x.shape[-1] != k:
-            raise RuntimeError(f"dense matmul takes float32 [..., {k}], got {x.shape}")
+            raise RuntimeError(
+                f"dense matmul takes float32 [..., {k}], got {x.dtype} {tuple(x.shape)}"
+            )
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (self.out_features,)):
             raise RuntimeError(f"dense matmul's bias must be float32 [{self.out_features}]")
         rows = x.reshape(-1, k).contiguous()

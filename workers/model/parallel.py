@@ -112,18 +112,17 @@ class PackableLinear(nn.Module):
     """A weight [out, in] that is re-laid out once for fast CPU matmuls.
 
     F.linear hands an fp32 weight to MKL's sgemm, which re-packs it into panels on
-    every call; at decode batch sizes that repacking costs as much as the math.
-    With weights that do not fit in cache, oneDNN's pre-blocked copy is faster for
-    2..64 rows. For a single row (one decoding sequence) the faster kernel depends on
-    the CPU: a plain transposed fp32 copy [in, out] streams the weights faster on an
-    AVX-512 Xeon, oneDNN on an AVX2 EPYC. So fp32 packs both copies and
-    `keep_faster_single_row_copy` times them once the model is loaded, keeping one.
+    every call; at decode batch sizes that repacking costs as much as the math. So fp32
+    keeps a many-row copy for 2+ rows: Baton's column panels where the CPU has AVX-512
+    (dense_panels.py: as fast as oneDNN's on a quiet machine, and a thread taken away
+    mid-call leaves its share to the others), oneDNN's pre-blocked copy elsewhere. For
+    a single row (one decoding sequence) the faster kernel depends on the CPU: a plain
+    transposed fp32 copy [in, out] streams the weights faster on an AVX-512 Xeon,
+    oneDNN on an AVX2 EPYC. So fp32 also keeps the transposed copy, and
+    `keep_faster_single_row_copy` times both once the model is loaded, keeping one.
     In bf16 (CPUs with AMX or AVX512-BF16) oneDNN's copy is the fastest at every row
     count, ahead of F.linear in bf16; it is the only copy kept. The plain [out, in]
     weight is released. bench/RESULTS.md ("Model kernels") has the figures.
-    Where the CPU has AVX-512, fp32's many-row copy is Baton's own column panels
-    (dense_panels.py) instead of oneDNN's: as fast on a quiet machine, and a thread
-    taken away mid-call leaves its share to the others.
     """
 
     weight: nn.Parameter | None
@@ -178,7 +177,7 @@ class PackableLinear(nn.Module):
 # Weight bytes a timing of one-row matmuls streams: several times any CPU cache, so it
 # measures memory bandwidth as decoding does, and a few passes stay under a second.
 _TIMING_BYTES = 256 * 2**20
-# oneDNN's copy replaces the transposed one only when clearly faster: the two round
+# The many-row copy replaces the transposed one only when clearly faster: the two round
 # differently, so processes of one service (replicas, ranks) that timed alike on a noisy
 # machine should not pick differently, and a near tie is not worth the change.
 _PACKED_MARGIN = 0.9
@@ -188,8 +187,8 @@ def keep_faster_single_row_copy(layers: list[PackableLinear], rounds: int = 3) -
     """Times one-row matmuls through the fp32 layers' transposed copies and through
     their many-row ones (oneDNN's or the panels; alternating, best of `rounds`) and keeps
     one for every layer: the many-row one where it is clearly faster, else the
-    transposed one. Returns the kept kind, "transposed" or "packed"; None when no layer
-    holds both."""
+    transposed one. Returns the kept kind, "transposed" or "packed" (the many-row copy);
+    None when no layer holds both."""
     both = [
         m
         for m in layers
