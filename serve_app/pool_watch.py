@@ -5,6 +5,8 @@ prefills new requests itself while the prefill pool has no running replica).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -47,9 +49,7 @@ class PoolWatch:
         """Running replicas per deployment; None until the controller first answers. While
         it cannot be asked, its last answer stands."""
         if self._pending is None and time.monotonic() - self._asked_at > REFRESH_S:
-            self._asked_at = time.monotonic()
-            self._pending = self._thread.submit(running_replicas)
-            self._pending.add_done_callback(self._answered)
+            self._ask()
         return self._counts
 
     def has_running(self) -> bool:
@@ -57,6 +57,22 @@ class PoolWatch:
         running (its calls then fail or wait as they would without the watch)."""
         counts = self.counts()
         return counts is None or counts.get(self.deployment, 0) > 0
+
+    async def refreshed(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for an answer asked now (or already on its way), for a
+        caller about to act on "none running": the last answer may be from before the pool
+        started (a replica reads the watch while its application deploys). If none comes
+        in time, the last answer stands."""
+        pending = self._pending or self._ask()
+        # Timed out, or the controller failed: as in counts(), the last answer stands.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending)), timeout_s)
+
+    def _ask(self) -> Future:
+        self._asked_at = time.monotonic()
+        self._pending = self._thread.submit(running_replicas)
+        self._pending.add_done_callback(self._answered)
+        return self._pending
 
     def _answered(self, answer: Future) -> None:
         self._pending = None

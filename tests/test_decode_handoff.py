@@ -61,6 +61,9 @@ class _Watch:
     def has_running(self) -> bool:
         return self.running
 
+    async def refreshed(self, timeout_s: float) -> None:
+        """The test's setting is the controller's latest answer."""
+
 
 def _handoff(
     engine: AsyncEngine, pool, recomputed: list | None = None, watch: _Watch | None = None, **kw

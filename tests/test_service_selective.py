@@ -70,9 +70,9 @@ def _expected(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 def _long_prompt(engine: LLMEngine, topic: str) -> list[int]:
     # Long enough that its prefill (a few hundred ms here) is still pending when the
-    # next request reaches decode.
-    text = f"Notes on {topic}. " + " ".join(f"{topic} fact {i}." for i in range(80))
-    return engine.tokenizer.encode(text)[:300]
+    # next request reaches decode; two of them and their outputs fit in KV.
+    text = f"Notes on {topic}. " + " ".join(f"{topic} fact {i}." for i in range(120))
+    return engine.tokenizer.encode(text)[:400]
 
 
 def test_a_short_prompt_is_prefilled_on_decode_with_no_handoff(client, engine):
@@ -90,11 +90,15 @@ def test_a_short_prompt_is_prefilled_on_decode_with_no_handoff(client, engine):
 
 def test_a_prompt_arriving_while_decode_waits_on_prefill_is_prefilled_on_decode(client, engine):
     prompts = [_long_prompt(engine, topic) for topic in ("rivers", "comets")]
+    assert len(prompts[0]) == 400
     before = _stats("DecodeServer")["handoff"]
+    # One handle for the polls: a fresh one a poll (its first call sets up its routing)
+    # could space them past the first's prefill call.
+    decode = serve.get_deployment_handle("DecodeServer", app_name=APP)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(client.generate_unary, _greedy(prompts[0], max_tokens=MAX_TOKENS))
         # The first is waiting on the prefill pool when the second comes.
-        pending = lambda: _stats("DecodeServer")["pending_prefills"] == 1  # noqa: E731
+        pending = lambda: decode.stats.remote().result()["pending_prefills"] == 1  # noqa: E731
         wait_for(pending, "the first's prefill call", timeout_s=60, poll_s=0.01)
         second = pool.submit(client.generate_unary, _greedy(prompts[1], max_tokens=MAX_TOKENS))
         got = [list(f.result(timeout=120).token_ids) for f in (first, second)]

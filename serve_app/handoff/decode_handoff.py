@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 # Decode may evict the prefix it counted on between asking for the blocks and importing
 # them; it then asks again for more blocks, a bounded number of times.
 _MAX_STALE_RETRIES = 3
+# How long a new request waits for the controller to confirm that the prefill pool has no
+# running replica before it is prefilled here.
+CONFIRM_S = 0.5
 
 
 @dataclass
@@ -121,7 +124,7 @@ class DecodeHandoff:
             list(request.block_hashes), prompt, request.cache_salt
         )
         uncached = self._tokens_to_compute(request, have)
-        if not self.check_prefill_pool():
+        if not await self.prefill_pool_running():
             # Degraded mode: a call now would wait for a replica to start, or fail.
             async with aclosing(self._prefill_here(request, prompt, uncached, True)) as outputs:
                 async for out in outputs:
@@ -153,6 +156,14 @@ class DecodeHandoff:
         if request.params.prompt_logprobs is not None:
             return len(request.prompt_token_ids)
         return len(request.prompt_token_ids) - cached_blocks * self.block_size
+
+    async def prefill_pool_running(self) -> bool:
+        """check_prefill_pool for a new request: an answer of none running is asked again
+        first (up to CONFIRM_S), so that a request does not go degraded on an answer from
+        before the pool started."""
+        if not self.prefill_watch.has_running():
+            await self.prefill_watch.refreshed(CONFIRM_S)
+        return self.check_prefill_pool()
 
     def check_prefill_pool(self) -> bool:
         """Whether the prefill pool has a running replica (PoolWatch: as the controller
