@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 # Decode may evict the prefix it counted on between asking for the blocks and importing
 # them; it then asks again for more blocks, a bounded number of times.
 _MAX_STALE_RETRIES = 3
-# How long a new request waits for the controller to confirm that the prefill pool has no
+# How long a request waits for the controller to confirm that the prefill pool has no
 # running replica before it is prefilled here.
 CONFIRM_S = 0.5
 
@@ -158,9 +158,9 @@ class DecodeHandoff:
         return len(request.prompt_token_ids) - cached_blocks * self.block_size
 
     async def prefill_pool_running(self) -> bool:
-        """check_prefill_pool for a new request: an answer of none running is asked again
-        first (up to CONFIRM_S), so that a request does not go degraded on an answer from
-        before the pool started."""
+        """check_prefill_pool for a request deciding where to prefill: an answer of none
+        running is asked again first (up to CONFIRM_S), so that no request goes degraded
+        on an answer from before the pool started."""
         if not self.prefill_watch.has_running():
             await self.prefill_watch.refreshed(CONFIRM_S)
         return self.check_prefill_pool()
@@ -301,7 +301,7 @@ class DecodeHandoff:
             # A call made as the pool's last replica died waits in Serve's handle for a
             # new one: given up once the pool is seen to have none (degraded mode).
             while not (await asyncio.wait({answer}, timeout=REFRESH_S))[0]:
-                if not self.check_prefill_pool():
+                if not await self.prefill_pool_running():
                     answer.cancel()
                     response.cancel()
                     return PrefillPoolDown("the prefill pool has no running replica")

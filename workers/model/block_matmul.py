@@ -145,9 +145,7 @@ class WeightBlocks:
         """x [M, K] float32 @ weight.T -> [M, N]; with `activation_bits` 16 or 8 a single
         row's blocks are rounded to that many bits first (csrc/rounded_matmul.c; more
         rows stay exact), with 32 none are."""
-        lib = kernels.library()
-        if lib is None:
-            raise RuntimeError("Baton's CPU kernels are not built (see kernels.library)")
+        lib = kernels.required_library()
         kind, n, k, qs, scale, mins = self._kernel_args
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
             raise RuntimeError(f"block matmul takes float32 [M, {k}], got {x.shape}")

@@ -48,7 +48,7 @@ class DensePanels:
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> DensePanels:
-        lib = _library()
+        lib = kernels.required_library()
         if weight.dtype != torch.float32 or weight.dim() != 2:
             raise RuntimeError(
                 f"dense panels take a float32 [N, K] weight, got {weight.dtype} "
@@ -77,7 +77,7 @@ class DensePanels:
         rows = x.reshape(-1, k).contiguous()
         bias = None if bias is None else bias.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        _library().baton_dense_matmul(
+        kernels.required_library().baton_dense_matmul(
             rows.data_ptr(),
             rows.shape[0],
             k,
@@ -88,10 +88,3 @@ class DensePanels:
             kernel_threads(),
         )
         return out.view(*x.shape[:-1], self.out_features)
-
-
-def _library():
-    lib = kernels.library()
-    if lib is None:
-        raise RuntimeError("Baton's CPU kernels are not built (see kernels.library)")
-    return lib

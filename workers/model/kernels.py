@@ -115,6 +115,15 @@ def library() -> ctypes.CDLL | None:
         return _library
 
 
+def required_library() -> ctypes.CDLL:
+    """library(), for a caller that holds weights laid out for the kernels: their absence
+    there is a broken invariant."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("Baton's CPU kernels are not built (see kernels.library)")
+    return lib
+
+
 def team_max_rows() -> int:
     """Rows of x up to which the kernels run on the work team in `team_loops`; 0 without
     the kernels."""
